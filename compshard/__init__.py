@@ -1,0 +1,1 @@
+"""compshard: fully sharded data-parallel training as a torch.compile backend."""
