@@ -1,1 +1,19 @@
-"""compshard: fully sharded data-parallel training as a torch.compile backend."""
+"""compshard: fully sharded data-parallel training as a torch.compile backend.
+
+    compshard.shard(model)
+    step_model = torch.compile(model, backend="compshard")
+"""
+
+from __future__ import annotations
+
+import torch
+
+from compshard import ops  # noqa: F401  (registers the compshard:: custom ops)
+from compshard.backend import compshard_backend
+from compshard.options import CompileOptions
+from compshard.passes import ScheduleError
+from compshard.sharding import full_state_dict, shard
+
+torch._dynamo.register_backend(compshard_backend, name="compshard")
+
+__all__ = ["shard", "full_state_dict", "CompileOptions", "ScheduleError", "compshard_backend"]

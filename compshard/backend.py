@@ -1,0 +1,85 @@
+"""The ``"compshard"`` torch.compile backend: Dynamo graph -> AOTAutograd -> passes -> run.
+
+Registered under the name ``"compshard"`` on ``import compshard`` and through the
+``torch_dynamo_backends`` entry point. Options come from ``torch.compile(...,
+options={...})`` and are validated before anything is traced.
+
+Execution: ``codegen="fx"`` (default) runs each scheduled graph as generated Python with
+the boxed calling convention, so inputs and intermediates are released after their last
+use; ``codegen="inductor"`` compiles the scheduled graphs with Inductor.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import fx
+from torch._dynamo.backends.common import aot_autograd
+from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+from compshard.options import CompileOptions
+from compshard.passes import PassContext, run_passes
+
+__all__ = ["compshard_backend", "CompiledGraph"]
+
+# Set by compshard.inspect while it compiles: every scheduled graph is appended here.
+_capture: list["CompiledGraph"] | None = None
+
+
+class CompiledGraph:
+    """One scheduled graph, as compshard.inspect reports it."""
+
+    def __init__(self, kind: str, gm: fx.GraphModule, ctx: PassContext) -> None:
+        self.kind = kind
+        self.gm = gm
+        self.notes = ctx.notes
+
+
+def _rank() -> int:
+    dist = torch.distributed
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+
+
+def _executor(gm: fx.GraphModule, example_inputs: Sequence[Any], options: CompileOptions, kind: str) -> Callable:
+    if options.codegen == "inductor":
+        from torch._inductor.compile_fx import compile_fx_inner
+
+        return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
+    boxed_codegen = getattr(fx.graph, "_BoxedCodeGen", None)
+    if boxed_codegen is not None:
+        gm.graph.set_codegen(boxed_codegen())
+        gm.recompile()  # GraphModule._boxed_call now reports the boxed convention to AOTAutograd
+        return gm
+    from torch._functorch.aot_autograd import make_boxed_func
+
+    return make_boxed_func(gm.forward)
+
+
+def _graph_compiler(kind: str, options: CompileOptions) -> Callable:
+    def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
+        ctx = PassContext(options, kind, rank=_rank())
+        run_passes(gm, ctx)
+        if _capture is not None:
+            _capture.append(CompiledGraph(kind, gm, ctx))
+        return _executor(gm, example_inputs, options, kind)
+
+    return compile_graph
+
+
+def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
+    """torch.compile backend entry: ``torch.compile(m, backend="compshard", options=...)``."""
+    opts = CompileOptions.from_dict(options)
+    run_passes(gm, PassContext(opts, "dynamo", rank=_rank()))
+
+    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        run_passes(joint, PassContext(opts, "joint", rank=_rank()))
+        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+
+    return aot_autograd(
+        fw_compiler=_graph_compiler("forward", opts),
+        bw_compiler=_graph_compiler("backward", opts),
+        inference_compiler=_graph_compiler("inference", opts),
+        partition_fn=partition,
+        keep_inference_input_mutations=True,
+    )(gm, example_inputs)

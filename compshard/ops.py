@@ -1,0 +1,177 @@
+"""The parameter-lifecycle vocabulary: ``torch.library`` custom ops the passes match.
+
+``compshard::unshard(shard) -> full``
+    All-gathers one parameter's local ``Shard(0)`` rows into the full tensor (cast to the
+    compute dtype first, when one is set). Its autograd formula is ``reduce_grad``.
+``compshard::reduce_grad(full_grad) -> local_grad``
+    Reduce-scatters a full gradient to this rank's rows (all-reduces a replicated one),
+    summed then divided by the world size: the average over ranks, as DDP does.
+``compshard::free(buffer)``
+    Releases a gathered buffer's storage. Only the backend inserts it, after the last use
+    of every alias of the buffer.
+
+Eagerly the ops communicate for real (so an uncompiled or graph-broken module trains
+correctly, one blocking collective per access); in a compiled graph they are markers that
+the lowering passes replace by asynchronous functional collectives. Parameters are
+identified by name (``param``), so every rank sees the same op arguments;
+``reshard_after_forward`` tells the partitioning passes whether the gathered tensor may
+be saved for backward (it does not change what the op computes).
+
+Layout (the contract shared with :mod:`compshard.kernels`): with ``rows = ceil(dim0 / N)``
+the padded shard has ``L = rows * row_numel`` elements and rank ``r`` holds the flat slice
+``[r * L, (r + 1) * L)`` of the full tensor, clipped to its numel. That is ``torch.chunk``
+along dim 0, i.e. DTensor ``Shard(0)``. 0-d parameters are replicated instead.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["Layout"]
+
+_c10d = torch.ops._c10d_functional
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Static facts of one parameter's sharding. Identical on every rank but ``rank``."""
+
+    full_shape: tuple[int, ...]
+    world_size: int
+    rank: int
+
+    @property
+    def replicated(self) -> bool:
+        return len(self.full_shape) == 0
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.full_shape)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.full_shape[1:])
+
+    @property
+    def rows_per_rank(self) -> int:
+        return -(-self.full_shape[0] // self.world_size) if self.full_shape else 1
+
+    @property
+    def padded_shard_numel(self) -> int:
+        """``L``: elements each rank contributes to the all-gather."""
+        return self.numel if self.replicated else self.rows_per_rank * self.row_numel
+
+    @property
+    def local_rows(self) -> tuple[int, int]:
+        """``[start, stop)`` rows of dim 0 this rank holds."""
+        start = min(self.rank * self.rows_per_rank, self.full_shape[0])
+        return start, min(start + self.rows_per_rank, self.full_shape[0])
+
+    @property
+    def local_shape(self) -> tuple[int, ...]:
+        if self.replicated:
+            return ()
+        start, stop = self.local_rows
+        return (stop - start, *self.full_shape[1:])
+
+
+def group_rank(group_name: str) -> int:
+    return dist.get_rank(resolve_group(group_name)) if group_name else 0
+
+
+def resolve_group(group_name: str) -> dist.ProcessGroup:
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    return _resolve_process_group(group_name)
+
+
+def _layout(full_shape: list[int], world_size: int, group_name: str) -> Layout:
+    return Layout(tuple(full_shape), world_size, group_rank(group_name))
+
+
+# ---------------------------------------------------------------------------- unshard
+
+
+@torch.library.custom_op("compshard::unshard", mutates_args=())
+def unshard(
+    shard: torch.Tensor,
+    full_shape: list[int],
+    world_size: int,
+    group_name: str,
+    param: str,
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
+    reshard_after_forward: bool,
+) -> torch.Tensor:
+    layout = _layout(full_shape, world_size, group_name)
+    flat = shard.reshape(-1).to(param_dtype or shard.dtype)
+    if layout.replicated or world_size == 1:
+        return flat.clone().view(full_shape)
+    padded = torch.nn.functional.pad(flat, (0, layout.padded_shard_numel - flat.numel()))
+    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(padded, world_size, group_name))
+    return gathered[: layout.numel].view(full_shape).clone()
+
+
+@unshard.register_fake
+def _(shard, full_shape, world_size, group_name, param, param_dtype, reduce_dtype, reshard_after_forward):
+    return shard.new_empty(full_shape, dtype=param_dtype or shard.dtype)
+
+
+def _unshard_setup_context(ctx, inputs, output):
+    shard, full_shape, world_size, group_name, param, _, reduce_dtype, _ = inputs
+    ctx.args = (full_shape, world_size, group_name, param, reduce_dtype, shard.dtype)
+
+
+def _unshard_backward(ctx, grad):
+    return (torch.ops.compshard.reduce_grad(grad, *ctx.args),) + (None,) * 7
+
+
+unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
+
+
+# ------------------------------------------------------------------------ reduce_grad
+
+
+@torch.library.custom_op("compshard::reduce_grad", mutates_args=())
+def reduce_grad(
+    grad: torch.Tensor,
+    full_shape: list[int],
+    world_size: int,
+    group_name: str,
+    param: str,
+    reduce_dtype: torch.dtype | None,
+    shard_dtype: torch.dtype,
+) -> torch.Tensor:
+    layout = _layout(full_shape, world_size, group_name)
+    flat = grad.reshape(-1).to(reduce_dtype or grad.dtype)
+    if world_size == 1:
+        return flat.to(shard_dtype).view(layout.local_shape).clone()
+    if layout.replicated:
+        reduced = _c10d.all_reduce(flat, "sum", group_name)
+    else:
+        padded = torch.nn.functional.pad(flat, (0, world_size * layout.padded_shard_numel - flat.numel()))
+        reduced = _c10d.reduce_scatter_tensor(padded, "sum", world_size, group_name)
+    averaged = _c10d.wait_tensor(reduced)[: math.prod(layout.local_shape)] / world_size
+    return averaged.to(shard_dtype).view(layout.local_shape)
+
+
+@reduce_grad.register_fake
+def _(grad, full_shape, world_size, group_name, param, reduce_dtype, shard_dtype):
+    return grad.new_empty(_layout(full_shape, world_size, group_name).local_shape, dtype=shard_dtype)
+
+
+# ------------------------------------------------------------------------------- free
+
+
+@torch.library.custom_op("compshard::free", mutates_args=("buffer",))
+def free(buffer: torch.Tensor) -> None:
+    buffer.untyped_storage().resize_(0)
+
+
+@free.register_fake
+def _(buffer):
+    return None

@@ -1,0 +1,48 @@
+"""The pass pipeline: which graph passes run, on which graph, in what order.
+
+Each pass is ``pass_(gm, ctx) -> None``, rewriting ``gm.graph`` in place, in its own
+module whose docstring states what holds before and after it.
+
+  dynamo graph   dedupe_unshard
+  joint graph    tag_gathered_params, then the min-cut partitioner
+  forward        lower_unshard, insert_free, estimate_memory, check_schedule
+  backward       lower_unshard, lower_reduce_grad, insert_free, estimate_memory, check_schedule
+  inference      as forward
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+from torch import fx
+
+from compshard.passes.check_schedule import ScheduleError, check_schedule
+from compshard.passes.context import PassContext
+from compshard.passes.dedupe_unshard import dedupe_unshard
+from compshard.passes.estimate_memory import estimate_memory
+from compshard.passes.insert_free import insert_free
+from compshard.passes.lower_reduce_grad import lower_reduce_grad
+from compshard.passes.lower_unshard import lower_unshard
+from compshard.passes.tag_gathered_params import tag_gathered_params
+
+Pass = Callable[[fx.GraphModule, PassContext], None]
+
+PIPELINES: dict[str, Sequence[Pass]] = {
+    "dynamo": (dedupe_unshard,),
+    "joint": (tag_gathered_params,),
+    "forward": (lower_unshard, insert_free, estimate_memory, check_schedule),
+    "backward": (lower_unshard, lower_reduce_grad, insert_free, estimate_memory, check_schedule),
+    "inference": (lower_unshard, insert_free, estimate_memory, check_schedule),
+}
+
+
+def run_passes(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Run the pipeline for ``ctx.graph`` on ``gm``; lint after each pass when ``verify``."""
+    for pass_ in PIPELINES[ctx.graph]:
+        pass_(gm, ctx)
+        if ctx.options.verify:
+            gm.graph.lint()
+    gm.recompile()
+
+
+__all__ = ["PIPELINES", "PassContext", "ScheduleError", "run_passes"]

@@ -1,0 +1,110 @@
+"""Final pass: check the schedule's invariants and that every rank built the same one.
+
+Invariants (a violation is a compshard bug and raises ``ScheduleError``):
+  - every collective start has exactly one wait, after it; every wait follows a start;
+  - every use of a gathered buffer comes after its wait, and its ``free`` after all uses;
+  - with ``reshard_after_forward=True`` no gathered parameter leaves the forward graph
+    (it is never saved for backward).
+
+Fingerprint: the sequence of scheduled nodes (kind, parameters, bytes, and position
+counted in original compute nodes) with rank-independent facts only. With
+``check_schedule`` (default) the sequences are all-gathered across the ranks at compile
+time; a difference raises ``ScheduleError`` naming the first differing node on every
+rank, instead of a hang at run time.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch.distributed as dist
+from torch import fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+from compshard.passes.context import PassContext
+from compshard.passes.fx_utils import META_KEY, aliases, c10d, is_op, node_order, schedule_kind
+from compshard.passes.insert_free import escapes, gathered_buffers
+
+_STARTS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+class ScheduleError(RuntimeError):
+    """A compiled schedule is invalid or differs between ranks."""
+
+
+def schedule_entries(graph: fx.Graph) -> list[tuple]:
+    """Rank-independent description of the scheduled nodes, in graph order."""
+    entries, compute_nodes = [], 0
+    for node in graph.nodes:
+        meta = node.meta.get(META_KEY)
+        if meta is None:
+            compute_nodes += node.op == "call_function"
+        elif meta["kind"] in _STARTS + ("wait", "free"):
+            entries.append((meta["kind"], tuple(meta["params"]), meta["bytes"], compute_nodes))
+    return entries
+
+
+def fingerprint(entries: list[tuple]) -> str:
+    return hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
+
+
+def _check_invariants(graph: fx.Graph, ctx: PassContext) -> None:
+    order = node_order(graph)
+    for node in graph.nodes:
+        if schedule_kind(node) in _STARTS:
+            waits = [u for u in node.users if is_op(u, c10d.wait_tensor.default)]
+            if len(waits) != 1 or len(node.users) != 1:
+                raise ScheduleError(f"{ctx.graph} graph: collective {node.name} must have exactly one user, its wait")
+        if is_op(node, c10d.wait_tensor.default) and schedule_kind(node.args[0]) not in _STARTS:
+            raise ScheduleError(f"{ctx.graph} graph: wait {node.name} does not follow a collective start")
+    for buffer in gathered_buffers(graph):
+        group = aliases(buffer)
+        for alias in group:
+            for user in alias.users:
+                if user.op != "output" and order[user] < order[buffer]:
+                    raise ScheduleError(f"{ctx.graph} graph: {user.name} uses {buffer.name} before its wait")
+                if schedule_kind(user) == "free":
+                    late = [u.name for a in group for u in a.users if u not in group and order[u] > order[user]]
+                    if late:
+                        raise ScheduleError(f"{ctx.graph} graph: {late} use {buffer.name} after its free")
+        params = buffer.meta[META_KEY]["params"]
+        if ctx.graph == "forward" and escapes(buffer) and ctx.notes.get("reshard", {}).get(params[0], True):
+            raise ScheduleError(f"forward graph saves gathered parameter(s) {params} for backward "
+                                "although reshard_after_forward=True")
+
+
+def _group_of(graph: fx.Graph) -> str | None:
+    for node in graph.nodes:
+        if schedule_kind(node) in _STARTS:
+            return node.args[-1]
+    return None
+
+
+def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContext) -> None:
+    from compshard.ops import resolve_group
+
+    group = resolve_group(group_name)
+    everyone: list = [None] * dist.get_world_size(group)
+    with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode
+        dist.all_gather_object(everyone, entries, group=group)
+    reference = everyone[0]
+    for rank, other in enumerate(everyone):
+        if other == reference:
+            continue
+        index = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
+        theirs = other[index] if index < len(other) else "<end of schedule>"
+        ours = reference[index] if index < len(reference) else "<end of schedule>"
+        raise ScheduleError(
+            f"compshard: the {ctx.graph} schedule differs across ranks at scheduled node #{index}: "
+            f"rank 0 has {ours}, rank {rank} has {theirs} (kind, params, bytes, position). "
+            "Every rank must compile the same model with the same options and input shapes."
+        )
+
+
+def check_schedule(gm: fx.GraphModule, ctx: PassContext) -> None:
+    _check_invariants(gm.graph, ctx)
+    entries = schedule_entries(gm.graph)
+    ctx.notes["fingerprint"] = fingerprint(entries)
+    group_name = _group_of(gm.graph)
+    if ctx.options.check_schedule and group_name and dist.is_initialized():
+        _compare_across_ranks(entries, group_name, ctx)

@@ -1,0 +1,30 @@
+"""Dynamo-graph pass: one ``unshard`` per parameter per graph.
+
+Before: each read of a sharded attribute is its own ``compshard::unshard`` call (a module
+called twice, or tied weights read from two modules, reads a parameter twice).
+After: every later unshard of a parameter is replaced by the first one, so autograd sums
+the full gradients of all uses before the single ``reduce_grad`` of that parameter: one
+all-gather and one reduce-scatter per parameter per graph. Running before AOTAutograd is
+what makes the gradient merge free; the graph is otherwise unchanged.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from compshard.passes.context import PassContext
+from compshard.passes.fx_utils import compshard_ops, is_op
+
+
+def dedupe_unshard(gm: fx.GraphModule, ctx: PassContext) -> None:
+    first: dict[tuple, fx.Node] = {}
+    for node in list(gm.graph.nodes):
+        if not is_op(node, compshard_ops.unshard, compshard_ops.unshard.default):  # Dynamo records the packet
+            continue
+        key = tuple(tuple(a) if isinstance(a, list) else a for a in node.args[1:])
+        if key in first:
+            node.replace_all_uses_with(first[key])
+            gm.graph.erase_node(node)
+        else:
+            first[key] = node
+    gm.graph.eliminate_dead_code()

@@ -1,0 +1,108 @@
+"""Small FX helpers shared by the passes: typed node emission and alias tracking.
+
+Every node a pass emits gets ``meta["val"]`` by running its op on the fake inputs, so
+later passes, the memory estimate and the report can read shapes and bytes.
+Nodes a pass inserts carry ``meta["compshard"]`` (a :class:`ScheduleMeta` dict).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any, Iterable
+
+import torch
+from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
+
+aten = torch.ops.aten
+c10d = torch.ops._c10d_functional
+compshard_ops = torch.ops.compshard
+
+META_KEY = "compshard"
+
+
+def fake_mode_of(graph: fx.Graph):
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor):
+            return val.fake_mode
+    raise RuntimeError("compshard: graph carries no fake tensors (meta['val']) to infer shapes from")
+
+
+def emit(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, meta: dict | None = None) -> fx.Node:
+    """Create ``target(*args, **kwargs)`` at the graph's insertion point, with meta['val']."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+    fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+    with fake_mode_of(graph):
+        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    if meta is not None:
+        node.meta[META_KEY] = meta
+    return node
+
+
+def is_op(node: fx.Node, *targets: Any) -> bool:
+    return node.op == "call_function" and node.target in targets
+
+
+def is_view(node: fx.Node) -> bool:
+    target = node.target
+    if node.op != "call_function":
+        return False
+    if target is operator.getitem:
+        return False
+    return isinstance(target, torch._ops.OpOverload) and target.is_view
+
+
+def aliases(node: fx.Node) -> list[fx.Node]:
+    """``node`` and every node that is a view of it, transitively."""
+    found, stack = [node], [node]
+    while stack:
+        for user in stack.pop().users:
+            if is_view(user) and user.args[0] in found and user not in found:
+                found.append(user)
+                stack.append(user)
+    return found
+
+
+def first_user(nodes: Iterable[fx.Node], order: dict[fx.Node, int]) -> fx.Node:
+    return min((u for n in nodes for u in n.users), key=order.__getitem__)
+
+
+def last_user(nodes: Iterable[fx.Node], order: dict[fx.Node, int]) -> fx.Node:
+    return max((u for n in nodes for u in n.users), key=order.__getitem__)
+
+
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
+def nbytes(val: Any) -> int:
+    if isinstance(val, torch.Tensor):
+        return val.numel() * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(nbytes(v) for v in val)
+    return 0
+
+
+def schedule_meta(kind: str, params: list[str], nbytes_: int, collective: str | None = None) -> dict:
+    """``meta["compshard"]`` of an inserted node.
+
+    ``kind``: all_gather | reduce_scatter | all_reduce (collective starts), wait, free,
+    pack (shard -> send buffer), unpack (received buffer -> tensor).
+    ``unit``: the module owning the first parameter. ``bytes``: the same on every rank
+    (padded, full-buffer sizes), so it can enter the schedule fingerprint.
+    ``collective``: links a start, its wait and the pack/unpack nodes around it.
+    """
+    return {
+        "kind": kind,
+        "params": list(params),
+        "unit": params[0].rpartition(".")[0] if params else "",
+        "bytes": int(nbytes_),
+        "collective": collective,
+    }
+
+
+def schedule_kind(node: fx.Node) -> str | None:
+    meta = node.meta.get(META_KEY)
+    return meta["kind"] if meta else None
