@@ -12,8 +12,9 @@ from compshard import ops  # noqa: F401  (registers the compshard:: custom ops)
 from compshard.backend import compshard_backend
 from compshard.options import CompileOptions
 from compshard.passes import ScheduleError
+from compshard.report import Report, inspect
 from compshard.sharding import full_state_dict, shard
 
 torch._dynamo.register_backend(compshard_backend, name="compshard")
 
-__all__ = ["shard", "full_state_dict", "CompileOptions", "ScheduleError", "compshard_backend"]
+__all__ = ["shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError", "compshard_backend"]

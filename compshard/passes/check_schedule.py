@@ -7,7 +7,9 @@ Invariants (a violation is a compshard bug and raises ``ScheduleError``):
     (it is never saved for backward).
 
 Fingerprint: the sequence of scheduled nodes (kind, parameters, bytes, and position
-counted in original compute nodes) with rank-independent facts only. With
+counted in original non-view compute nodes) with rank-independent facts only: local shard
+shapes differ between ranks (a rank may hold no rows), and with them the views around
+the shards, so views do not count. With
 ``check_schedule`` (default) the sequences are all-gathered across the ranks at compile
 time; a difference raises ``ScheduleError`` naming the first differing node on every
 rank, instead of a hang at run time.
@@ -22,7 +24,7 @@ from torch import fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import META_KEY, aliases, c10d, is_op, node_order, schedule_kind
+from compshard.passes.fx_utils import META_KEY, aliases, c10d, is_op, is_view, node_order, schedule_kind
 from compshard.passes.insert_free import escapes, gathered_buffers
 
 _STARTS = ("all_gather", "reduce_scatter", "all_reduce")
@@ -38,7 +40,7 @@ def schedule_entries(graph: fx.Graph) -> list[tuple]:
     for node in graph.nodes:
         meta = node.meta.get(META_KEY)
         if meta is None:
-            compute_nodes += node.op == "call_function"
+            compute_nodes += node.op == "call_function" and not is_view(node)
         elif meta["kind"] in _STARTS + ("wait", "free"):
             entries.append((meta["kind"], tuple(meta["params"]), meta["bytes"], compute_nodes))
     return entries

@@ -1,0 +1,104 @@
+"""Pure-torch reference implementations of the bucket copy functions.
+
+These define the semantics the Triton kernels must match bit for bit.  They
+assume already-validated arguments (the public functions in
+``compshard.kernels.bucket_copy`` validate and then dispatch here or to Triton);
+calling them directly with bad arguments gives torch's own errors.
+
+Numerics, precisely:
+  * a cast is ``Tensor.to(dtype)`` (round-to-nearest-even, NaN stays NaN);
+  * division is ``x.to(dtype) / float(divide_by)`` (torch computes bf16/fp16 in
+    fp32 and rounds once; fp32 divides in fp32);
+  * accumulation is ``acc += x.to(acc.dtype)`` (again computed in fp32 for
+    bf16/fp16 and rounded once);
+  * padding is +0.0 and is never divided.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ._checks import _layout
+
+
+def all_gather_copy_in_reference(
+    shards: Sequence[torch.Tensor], shard_numels: Sequence[int], dtype: torch.dtype
+) -> torch.Tensor:
+    """Flatten, cast and zero-pad shard i to ``shard_numels[i]``; concatenate (length ``S``)."""
+    pieces = []
+    for shard, length in zip(shards, shard_numels):
+        flat = shard.reshape(-1).to(dtype)
+        if flat.numel() < length:
+            flat = torch.cat([flat, flat.new_zeros(length - flat.numel())])
+        pieces.append(flat)
+    if not pieces:
+        return torch.empty(0, dtype=dtype)
+    return torch.cat(pieces)
+
+
+def all_gather_copy_out_reference(
+    gathered: torch.Tensor,
+    shard_numels: Sequence[int],
+    shapes: Sequence[Sequence[int]],
+    world_size: int,
+    dtype: torch.dtype | None = None,
+    out: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Parameter i = concat over ranks of its segment in each rank's chunk, first numel(shape) elements."""
+    layout = _layout(tuple(shard_numels))
+    dtype = gathered.dtype if dtype is None else dtype
+    per_rank = gathered.view(world_size, layout.total)
+    results = []
+    for i, (shape, off, length) in enumerate(zip(shapes, layout.offsets, shard_numels)):
+        numel = 1
+        for d in shape:
+            numel *= d
+        full = per_rank[:, off : off + length].reshape(-1)[:numel]
+        value = full.to(dtype=dtype, copy=True).view(tuple(shape))
+        if out is not None:
+            out[i].copy_(value)
+            value = out[i]
+        results.append(value)
+    return results
+
+
+def reduce_scatter_copy_in_reference(
+    grads: Sequence[torch.Tensor],
+    shard_numels: Sequence[int],
+    world_size: int,
+    dtype: torch.dtype,
+    divide_by: float | None = None,
+) -> torch.Tensor:
+    """Rank-major ``world_size * S`` buffer; segment (r, i) = grads[i].flat[r*L[i] : (r+1)*L[i]]."""
+    layout = _layout(tuple(shard_numels))
+    device = grads[0].device if len(grads) else None
+    buffer = torch.zeros(world_size, layout.total, dtype=dtype, device=device)
+    for grad, off, length in zip(grads, layout.offsets, shard_numels):
+        flat = grad.reshape(-1).to(dtype)
+        if divide_by is not None:
+            flat = flat / float(divide_by)
+        padded = torch.zeros(world_size * length, dtype=dtype, device=device)
+        padded[: flat.numel()] = flat
+        buffer[:, off : off + length] = padded.view(world_size, length)
+    return buffer.view(-1)
+
+
+def reduce_scatter_copy_out_reference(
+    reduced: torch.Tensor,
+    shard_numels: Sequence[int],
+    local_numels: Sequence[int],
+    dtype: torch.dtype,
+    accumulate_into: Sequence[torch.Tensor] | None = None,
+) -> list[torch.Tensor]:
+    """Shard i = ``reduced[off[i] : off[i] + local_numels[i]].to(dtype)``, or added into ``accumulate_into[i]``."""
+    layout = _layout(tuple(shard_numels))
+    results = []
+    for i, (off, n) in enumerate(zip(layout.offsets, local_numels)):
+        value = reduced[off : off + n].to(dtype=dtype, copy=True)
+        if accumulate_into is not None:
+            accumulate_into[i].view(-1).add_(value)
+            value = accumulate_into[i]
+        results.append(value)
+    return results

@@ -1,0 +1,56 @@
+"""Run a test worker in spawned gloo processes on 127.0.0.1, never hanging.
+
+Rendezvous goes through a FileStore in the run's own temporary folder, so concurrent
+runs (two pytest sessions, say) can never join each other's group; gloo is pinned to
+the loopback interface.
+
+``run_distributed(worker, world_size, *args)`` starts ``world_size`` processes, each
+calling ``worker(rank, world_size, *args)`` inside an initialized gloo process group, and
+returns the workers' (picklable) results by rank. Process groups have a timeout; the
+whole run has a deadline after which every process is killed and TimeoutError raised.
+An exception in any worker is re-raised here with its traceback.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _entry(rank: int, worker: Callable, world_size: int, out_dir: str, args: tuple) -> None:
+    torch.set_num_threads(1)
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    store = dist.FileStore(os.path.join(out_dir, "store"), world_size)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
+    try:
+        result = worker(rank, world_size, *args)
+        torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_distributed(worker: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+    with tempfile.TemporaryDirectory() as out_dir:
+        context = mp.start_processes(
+            _entry, args=(worker, world_size, out_dir, args), nprocs=world_size, join=False,
+            start_method="spawn",
+        )
+        deadline = time.monotonic() + timeout
+        try:
+            while not context.join(timeout=5):
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"distributed test {worker.__name__} (world size {world_size}) ran past {timeout}s")
+        finally:
+            for process in context.processes:
+                if process.is_alive():
+                    process.kill()
+        return [torch.load(os.path.join(out_dir, f"{rank}.pt"), weights_only=False) for rank in range(world_size)]

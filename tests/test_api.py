@@ -1,0 +1,94 @@
+"""Single-process checks of the public API: options, argument errors, world size 1."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import compshard
+from tests.models import make_model
+from tests.training import RTOL, relative_error, train_reference, train_sharded
+
+
+def test_backend_is_registered_by_name():
+    assert "compshard" in torch._dynamo.list_backends(exclude_tags=())
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"prefetch": 2}, "unknown option(s) ['prefetch']; allowed options are"),
+        ({"codegen": "triton"}, "option 'codegen' must be one of ['fx', 'inductor']"),
+        ({"check_schedule": "yes"}, "option 'check_schedule' must be True or False"),
+    ],
+)
+def test_bad_options_name_the_option_and_what_is_allowed(options, message):
+    with pytest.raises(ValueError) as error:
+        compshard.CompileOptions.from_dict(options)
+    assert message in str(error.value)
+
+
+def test_torch_compile_reports_bad_options():
+    model, batch = make_model("mlp")
+    compshard.shard(model)
+    with pytest.raises(Exception, match=r"unknown option\(s\) \['bucket'\]"):
+        torch.compile(model, backend="compshard", options={"bucket": 1})(*batch)
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, message",
+    [
+        ({"param_dtype": torch.int32}, ValueError, "param_dtype=torch.int32 is not allowed"),
+        ({"reduce_dtype": "bf16"}, ValueError, "reduce_dtype='bf16' is not allowed"),
+        ({"reshard_after_forward": 1}, TypeError, "reshard_after_forward must be True or False"),
+        ({"mesh": "world"}, ValueError, "mesh must be a 1-D DeviceMesh or None"),
+    ],
+)
+def test_bad_shard_arguments(kwargs, error, message):
+    model, _ = make_model("mlp")
+    with pytest.raises(error, match=message.replace("(", r"\(").replace(")", r"\)").replace("[", r"\[")):
+        compshard.shard(model, **kwargs)
+
+
+def test_shard_twice_is_an_error():
+    model, _ = make_model("mlp")
+    compshard.shard(model)
+    with pytest.raises(ValueError, match="already sharded"):
+        compshard.shard(model)
+
+
+@pytest.mark.parametrize("name", ["gpt", "uneven"])
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "eager"])
+def test_world_size_one_without_process_group_matches_eager(name, compiled):
+    reference, batch = make_model(name)
+    sharded = compshard.shard(copy.deepcopy(reference))
+    expected = train_reference(reference, batch)
+    losses, _ = train_sharded(sharded, batch, rank=0, world_size=1, compiled=compiled)
+    assert max(relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, expected)) <= RTOL
+    full = compshard.full_state_dict(sharded)
+    assert list(full) == list(reference.state_dict())
+    for key, value in reference.state_dict().items():
+        assert relative_error(full[key], value) <= RTOL, key
+
+
+def test_sharded_model_keeps_names_and_ties():
+    reference, _ = make_model("gpt")
+    sharded = compshard.shard(copy.deepcopy(reference))
+    assert [n for n, _ in sharded.named_parameters()] == [n for n, _ in reference.named_parameters()]
+    assert sharded.lm_head._parameters["weight"] is sharded.wte._parameters["weight"]
+    assert torch.equal(sharded.wte.weight, reference.wte.weight)  # reading the attribute unshards
+
+
+def test_inspect_at_world_size_one_and_leaves_grads_alone():
+    model, batch = make_model("gpt")
+    compshard.shard(model)
+    loss = torch.compile(model, backend="compshard")(*batch)
+    loss.backward()
+    grads = [p.grad.clone() for p in model.parameters()]
+    report = compshard.inspect(model, *batch)
+    assert set(report.graphs) == {"forward", "backward"}
+    assert report.collectives == []  # one rank: nothing to gather, reduce or free
+    assert "live after" in str(report)
+    assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))

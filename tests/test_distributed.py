@@ -1,0 +1,206 @@
+"""Multi-process checks on gloo (world sizes 1, 2, 4): parity with eager, memory at rest,
+the schedule's structure, and detection of a rank whose schedule differs.
+
+Each world size spawns once (module-scoped fixtures); the tests read its results.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch.distributed.tensor import DTensor
+
+import compshard
+from compshard import ops
+from compshard.passes import PIPELINES
+from compshard.passes.fx_utils import aliases
+from compshard.passes.insert_free import gathered_buffers, insert_free
+from tests.distributed import run_distributed
+from tests.models import make_model
+from tests.training import RTOL, parity
+
+PARITY_MODELS = ("mlp", "gpt", "uneven")
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _padded_numel(t: torch.Tensor, world_size: int) -> int:
+    return t.numel() if t.dim() == 0 else ops.Layout(tuple(t.shape), world_size, 0).padded_shard_numel
+
+
+def _state_bytes(model, opt, world_size: int) -> tuple[int, int]:
+    """(bytes this rank holds, bound: 1/N of the unsharded total plus padding) for the
+    parameters, gradients and optimizer state. 0-d tensors (AdamW's step counters, 0-d
+    parameters) are replicated, so every rank holds them whole."""
+    tensors = {}
+    for p in model.parameters():
+        tensors[id(p)] = p
+        if p.grad is not None:
+            tensors[id(p.grad)] = p.grad
+        for value in opt.state.get(p, {}).values():
+            if isinstance(value, torch.Tensor):
+                tensors[id(value)] = value
+    held = bound = 0
+    for t in tensors.values():
+        held += _local(t).numel() * t.element_size()
+        bound += _padded_numel(t, world_size) * t.element_size()
+    return held, bound
+
+
+def _memory_at_rest(rank: int, world_size: int) -> dict:
+    model, batch = make_model("gpt")
+    unsharded_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) * 3  # param, grad, m (+ v below)
+    unsharded_bytes += sum(p.numel() * p.element_size() for p in model.parameters())
+    compshard.shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    loss = torch.compile(model, backend="compshard")(*(t.chunk(world_size)[rank] for t in batch))
+    loss.backward()
+    opt.step()  # state exists; gradients kept (no zero_grad) to count them too
+    held, bound = _state_bytes(model, opt, world_size)
+    return {"held": held, "bound": bound, "unsharded": unsharded_bytes}
+
+
+def parity_worker(rank: int, world_size: int) -> dict:
+    results = {}
+    for name in PARITY_MODELS:
+        torch._dynamo.reset()
+        result = parity(name, rank, world_size)
+        results[name] = {k: result[k] for k in ("loss", "params", "keys_match")}
+    result = parity("uneven", rank, world_size, compiled=False)
+    results["uneven-eager"] = {k: result[k] for k in ("loss", "params", "keys_match")}
+    torch._dynamo.reset()
+    results["memory"] = _memory_at_rest(rank, world_size)
+    return results
+
+
+@pytest.fixture(scope="module", params=[1, 2, 4], ids=lambda n: f"world{n}")
+def parity_results(request):
+    return request.param, run_distributed(parity_worker, request.param)
+
+
+@pytest.mark.parametrize("case", PARITY_MODELS + ("uneven-eager",))
+def test_training_matches_single_process_eager(parity_results, case):
+    world_size, results = parity_results
+    for rank, result in enumerate(results):
+        got = result[case]
+        assert got["keys_match"], f"rank {rank}: full_state_dict keys differ from the unsharded model's"
+        assert got["loss"] <= RTOL, f"rank {rank}: loss relative error {got['loss']:.2e}"
+        worst = max(got["params"], key=got["params"].get)
+        assert got["params"][worst] <= RTOL, f"rank {rank}: {worst} relative error {got['params'][worst]:.2e}"
+
+
+def test_state_at_rest_is_one_nth_plus_padding(parity_results):
+    world_size, results = parity_results
+    for rank, result in enumerate(results):
+        memory = result["memory"]
+        assert memory["held"] <= memory["bound"], f"rank {rank}: {memory}"
+        # the bound itself is 1/N of the unsharded bytes plus padding and replicated scalars
+        assert memory["bound"] <= memory["unsharded"] / world_size + 16 * 1024, f"rank {rank}: {memory}"
+    assert sum(r["memory"]["held"] for r in results) <= results[0]["memory"]["unsharded"] + 16 * 1024 * world_size
+
+
+# ------------------------------------------------------------------------ schedule (world 2)
+
+
+def _schedule_facts(report) -> dict:
+    forward, backward = report.graphs["forward"], report.graphs["backward"]
+    outputs = set(next(iter(forward.graph.find_nodes(op="output"))).all_input_nodes)
+    saved_gathered = [b.meta["compshard"]["params"][0] for b in gathered_buffers(forward.graph) if set(aliases(b)) & outputs]
+    inserted = [n for gm in report.graphs.values() for n in gm.graph.nodes if "compshard" in n.meta]
+    return {
+        "saved_gathered": saved_gathered,
+        "metadata_complete": all(
+            n.meta["compshard"]["params"] and n.meta["compshard"]["unit"] is not None and n.meta["compshard"]["bytes"] >= 0
+            for n in inserted
+        ),
+        "kinds": [(c["graph"], c["kind"], tuple(c["params"])) for c in report.collectives],
+        "fingerprints": report.fingerprints,
+        "backward_gathers": sum(1 for c in report.collectives if c["graph"] == "backward" and c["kind"] == "all_gather"),
+        "forward_frees": sum(1 for c in report.collectives if c["graph"] == "forward" and c["kind"] == "free"),
+        "forward_freed": sorted(p for c in report.collectives if c["graph"] == "forward" and c["kind"] == "free"
+                                for p in c["params"]),
+        "units": sorted({c["unit"] for c in report.collectives}),
+        "table": str(report),
+    }
+
+
+def schedule_worker(rank: int, world_size: int) -> dict:
+    results = {}
+    model, batch = make_model("gpt")
+    local = tuple(t.chunk(world_size)[rank] for t in batch)
+    results["reshard"] = _schedule_facts(compshard.inspect(compshard.shard(copy.deepcopy(model)), *local))
+    torch._dynamo.reset()
+    kept = compshard.shard(copy.deepcopy(model), reshard_after_forward=False)
+    results["keep"] = _schedule_facts(compshard.inspect(kept, *local))
+    results["trainable"] = sorted(compshard.sharding.param_specs(kept))
+
+    # A rank whose compiler builds another schedule (here: rank 1 skips the free pass) is caught.
+    torch._dynamo.reset()
+    if rank == 1:
+        PIPELINES["forward"] = tuple(p for p in PIPELINES["forward"] if p is not insert_free)
+    try:
+        torch.compile(compshard.shard(copy.deepcopy(model)), backend="compshard")(*local)
+        results["mismatch"] = None
+    except Exception as error:  # noqa: BLE001 - the message is what the test checks
+        results["mismatch"] = str(error)
+    return results
+
+
+@pytest.fixture(scope="module")
+def schedule_results():
+    return run_distributed(schedule_worker, 2)
+
+
+def test_gathered_parameters_are_never_saved_for_backward(schedule_results):
+    for result in schedule_results:
+        facts = result["reshard"]
+        assert facts["saved_gathered"] == []
+        assert facts["backward_gathers"] > 0  # re-gathered in backward instead
+        assert facts["forward_frees"] == sum(1 for k in facts["kinds"] if k[:2] == ("forward", "all_gather"))
+
+
+def test_reshard_after_forward_false_keeps_parameters_gathered(schedule_results):
+    for result in schedule_results:
+        facts = result["keep"]
+        assert facts["backward_gathers"] == 0
+        assert facts["saved_gathered"]
+        # parameters backward does not need (biases, position embedding) are still freed early
+        assert not set(facts["saved_gathered"]) & set(facts["forward_freed"])
+        assert sorted(facts["saved_gathered"] + facts["forward_freed"]) == result["trainable"]
+
+
+def test_schedule_has_one_gather_and_one_reduce_scatter_per_parameter(schedule_results):
+    trainable = schedule_results[0]["trainable"]
+    for result in schedule_results:
+        kinds = result["reshard"]["kinds"]
+        forward_gathers = sorted(p for g, k, ps in kinds if (g, k) == ("forward", "all_gather") for p in ps)
+        reduced = sorted(p for g, k, ps in kinds if (g, k) == ("backward", "reduce_scatter") for p in ps)
+        assert forward_gathers == trainable  # the tied wte/lm_head weight is gathered once
+        assert reduced == trainable
+        assert result["reshard"]["metadata_complete"]
+        assert "blocks.0.attn.qkv" in result["reshard"]["units"]
+
+
+def test_every_rank_builds_the_same_schedule(schedule_results):
+    assert schedule_results[0]["reshard"]["fingerprints"] == schedule_results[1]["reshard"]["fingerprints"]
+    assert schedule_results[0]["reshard"]["kinds"] == schedule_results[1]["reshard"]["kinds"]
+
+
+def test_report_table_lists_the_schedule(schedule_results):
+    table = schedule_results[0]["reshard"]["table"]
+    for column in ("graph", "node", "kind", "unit", "bytes", "live after"):
+        assert column in table
+    for kind in ("all_gather", "wait", "free", "reduce_scatter"):
+        assert kind in table
+
+
+def test_a_rank_with_a_different_schedule_is_detected(schedule_results):
+    for rank, result in enumerate(schedule_results):
+        message = result["mismatch"]
+        assert message is not None, f"rank {rank} trained on with mismatched schedules"
+        assert "forward schedule differs across ranks at scheduled node #" in message
+        assert "free" in message
