@@ -1,0 +1,199 @@
+"""Side-by-side training runs for the demo and the benchmarks (run under torchrun).
+
+Every system trains the same GPT from the same initial weights on the same global batch,
+one after another inside the same processes, so their numbers come from one run on one
+machine. A system is a function that wraps a fresh model and returns the callable that
+runs one step's forward and the parameters for the optimizer.
+
+Measured per system: the global-mean loss of every step, the median step time (forward,
+backward, optimizer step; ranks aligned by a barrier before each step, warm-up steps not
+counted), and per-rank memory: the peak bytes of live CPU/GPU tensors during one extra,
+profiled step (from the profiler's memory timeline, parameters and optimizer state
+included) and the bytes of parameters + gradients + optimizer state this rank holds.
+"""
+
+from __future__ import annotations
+
+import copy
+import datetime
+import logging
+import os
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+import compshard
+from compshard.models import GPT, GPTConfig
+
+Wrap = Callable[[nn.Module], Callable]
+
+
+def init_distributed() -> tuple[int, int, torch.device]:
+    """Join the torchrun job: NCCL on a GPU, gloo on CPU."""
+    if not dist.is_initialized():
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+        dist.init_process_group(backend, timeout=datetime.timedelta(seconds=300))
+    rank, world_size = dist.get_rank(), dist.get_world_size()
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+        torch.cuda.set_device(device)
+    else:
+        device = torch.device("cpu")
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    return rank, world_size, device
+
+
+def progress(message: str) -> None:
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        print(message, file=sys.stderr, flush=True)
+
+
+# ------------------------------------------------------------------------------ systems
+
+
+def wrap_compshard(model: nn.Module, **compile_options) -> Callable:
+    compshard.shard(model)
+    return torch.compile(model, backend="compshard", options=compile_options or None)
+
+
+def wrap_fsdp2(model: nn.Module, compiled: bool = False) -> Callable:
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.blocks:
+        fully_shard(block)
+    fully_shard(model)
+    return torch.compile(model) if compiled else model
+
+
+def wrap_ddp(model: nn.Module) -> Callable:
+    from torch.nn.parallel import DistributedDataParallel
+
+    return DistributedDataParallel(model)
+
+
+SYSTEMS: dict[str, Wrap] = {
+    "compshard": wrap_compshard,
+    "fsdp2": wrap_fsdp2,
+    "fsdp2+compile": lambda model: wrap_fsdp2(model, compiled=True),
+    "ddp": wrap_ddp,
+}
+
+
+# ------------------------------------------------------------------------- measurement
+
+
+@dataclass
+class Result:
+    system: str
+    losses: list[float]
+    step_seconds: list[float]
+    peak_bytes: int
+    state_bytes: int
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def median_step(self) -> float:
+        return statistics.median(self.step_seconds)
+
+    def as_dict(self) -> dict:
+        return {**asdict(self), "median_step_seconds": self.median_step}
+
+
+def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
+    """Bytes of parameters, gradients and optimizer state held by this rank."""
+    seen: dict[int, torch.Tensor] = {}
+    for p in model.parameters():
+        for t in [p, p.grad, *opt.state.get(p, {}).values()]:
+            if isinstance(t, torch.Tensor):
+                seen[id(t)] = t.to_local() if isinstance(t, DTensor) else t
+    return sum(t.numel() * t.element_size() for t in seen.values())
+
+
+def peak_tensor_bytes(step: Callable[[], None], device: torch.device) -> int:
+    """Peak bytes of live tensors on ``device`` while ``step`` runs (profiler timeline)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    # Storage resizes (FSDP2's and compshard's frees) make the profiler warn about
+    # allocation/free size mismatches; the timeline is still usable as an estimate.
+    logging.getLogger("torch.profiler._memory_profiler").setLevel(logging.ERROR)
+    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+        step()
+    live = peak = 0
+    for _, action, (key, _), size in prof._memory_profile().timeline:
+        if key.device.type != device.type:
+            continue
+        if action.name in ("PREEXISTING", "CREATE"):
+            live += size
+        elif action.name == "DESTROY":
+            live -= size
+        peak = max(peak, live)
+    return peak
+
+
+def global_mean(value: torch.Tensor) -> float:
+    value = value.detach().clone()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(value)
+        value /= dist.get_world_size()
+    return value.item()
+
+
+def train(
+    system: str, wrap: Wrap, reference: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+    *, steps: int, warmup: int, device: torch.device,
+) -> Result:
+    """Train a copy of ``reference`` wrapped by ``wrap`` on this rank's ``batch``."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(reference).to(device)
+    step_model = wrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def step() -> torch.Tensor:
+        loss = step_model(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    losses, times = [], []
+    for index in range(warmup + steps):
+        if dist.is_initialized():
+            dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        loss = step()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        elapsed = time.perf_counter() - start
+        losses.append(global_mean(loss))
+        if index >= warmup:
+            times.append(elapsed)
+        progress(f"  {system}: step {index + 1}/{warmup + steps} loss {losses[-1]:.4f} ({elapsed * 1e3:.1f} ms)")
+    peak = peak_tensor_bytes(lambda: step_model(*batch).backward(), device)
+    held = state_bytes(model, opt)
+    opt.zero_grad(set_to_none=True)
+    return Result(system, losses, times, peak, held)
+
+
+def make_workload(cfg: GPTConfig, global_batch: int, rank: int, world_size: int, device: torch.device):
+    """The seeded model and this rank's slice of a seeded global batch."""
+    torch.manual_seed(0)
+    reference = GPT(cfg)
+    generator = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, cfg.vocab_size, (global_batch, cfg.block_size + 1), generator=generator)
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    local = (inputs.chunk(world_size)[rank].contiguous().to(device), targets.chunk(world_size)[rank].contiguous().to(device))
+    return reference, local
+
+
+def mib(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.2f}"
