@@ -76,7 +76,13 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         run_passes(joint, PassContext(opts, "joint", rank=_rank()))
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
+    decompositions = {}
+    if opts.codegen == "inductor":  # Inductor lowers graphs traced with its own decompositions
+        from torch._inductor.decomposition import select_decomp_table
+
+        decompositions = select_decomp_table()
     return aot_autograd(
+        decompositions=decompositions,
         fw_compiler=_graph_compiler("forward", opts),
         bw_compiler=_graph_compiler("backward", opts),
         inference_compiler=_graph_compiler("inference", opts),

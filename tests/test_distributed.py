@@ -138,6 +138,10 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     results["keep"] = _schedule_facts(compshard.inspect(kept, *local))
     results["trainable"] = sorted(compshard.sharding.param_specs(kept))
 
+    torch._dynamo.reset()
+    inductor = parity("mlp", rank, world_size, compile_options={"codegen": "inductor"})
+    results["inductor"] = {k: inductor[k] for k in ("loss", "params", "keys_match")}
+
     # A rank whose compiler builds another schedule (here: rank 1 skips the free pass) is caught.
     torch._dynamo.reset()
     if rank == 1:
@@ -196,6 +200,14 @@ def test_report_table_lists_the_schedule(schedule_results):
         assert column in table
     for kind in ("all_gather", "wait", "free", "reduce_scatter"):
         assert kind in table
+
+
+def test_inductor_codegen_matches_eager(schedule_results):
+    for result in schedule_results:
+        got = result["inductor"]
+        assert got["keys_match"]
+        assert got["loss"] <= RTOL
+        assert max(got["params"].values()) <= RTOL, got["params"]
 
 
 def test_a_rank_with_a_different_schedule_is_detected(schedule_results):
