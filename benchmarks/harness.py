@@ -7,16 +7,16 @@ runs one step's forward and the parameters for the optimizer.
 
 Measured per system: the global-mean loss of every step, the median step time (forward,
 backward, optimizer step; ranks aligned by a barrier before each step, warm-up steps not
-counted), and per-rank memory: the peak bytes of live CPU/GPU tensors during one extra,
-profiled step (from the profiler's memory timeline, parameters and optimizer state
-included) and the bytes of parameters + gradients + optimizer state this rank holds.
+counted), and per-rank memory: the peak bytes of CPU/GPU tensors during one extra,
+profiled forward and backward (the bytes held at its start plus the largest rise of the
+allocator's allocations, from the profiler's allocation events) and the bytes of
+parameters + gradients + optimizer state this rank holds.
 """
 
 from __future__ import annotations
 
 import copy
 import datetime
-import logging
 import os
 import statistics
 import sys
@@ -116,26 +116,27 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
-def peak_tensor_bytes(step: Callable[[], None], device: torch.device) -> int:
-    """Peak bytes of live tensors on ``device`` while ``step`` runs (profiler timeline)."""
+def peak_tensor_bytes(step: Callable[[], None], device: torch.device, held_at_start: int) -> int:
+    """Peak bytes of tensors on ``device`` while ``step`` runs: ``held_at_start`` (what
+    the rank holds when the step begins) plus the largest rise of the allocator's
+    allocations and frees, in time order, as the profiler records them."""
+    from torch._C._profiler import _EventType
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    # Storage resizes (FSDP2's and compshard's frees) make the profiler warn about
-    # allocation/free size mismatches; the timeline is still usable as an estimate.
-    logging.getLogger("torch.profiler._memory_profiler").setLevel(logging.ERROR)
-    with profile(activities=activities, profile_memory=True, record_shapes=True, with_stack=True) as prof:
+    with profile(activities=activities, profile_memory=True) as prof:
         step()
-    live = peak = 0
-    for _, action, (key, _), size in prof._memory_profile().timeline:
-        if key.device.type != device.type:
-            continue
-        if action.name in ("PREEXISTING", "CREATE"):
-            live += size
-        elif action.name == "DESTROY":
-            live -= size
-        peak = max(peak, live)
-    return peak
+    allocations, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while pending:
+        event = pending.pop()
+        pending.extend(event.children)
+        if event.tag == _EventType.Allocation and event.extra_fields.device.type == device.type:
+            allocations.append((event.start_time_ns, event.extra_fields.alloc_size))
+    live = rise = 0
+    for _, size in sorted(allocations):
+        live += size
+        rise = max(rise, live)
+    return held_at_start + rise
 
 
 def global_mean(value: torch.Tensor) -> float:
@@ -178,8 +179,8 @@ def train(
         if index >= warmup:
             times.append(elapsed)
         progress(f"  {system}: step {index + 1}/{warmup + steps} loss {losses[-1]:.4f} ({elapsed * 1e3:.1f} ms)")
-    peak = peak_tensor_bytes(lambda: step_model(*batch).backward(), device)
-    held = state_bytes(model, opt)
+    peak = peak_tensor_bytes(lambda: step_model(*batch).backward(), device, state_bytes(model, opt))
+    held = state_bytes(model, opt)  # now with this step's gradients
     opt.zero_grad(set_to_none=True)
     return Result(system, losses, times, peak, held)
 

@@ -56,9 +56,9 @@ def _executor(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Compil
     return make_boxed_func(gm.forward)
 
 
-def _graph_compiler(kind: str, options: CompileOptions) -> Callable:
+def _graph_compiler(kind: str, options: CompileOptions, shared: dict) -> Callable:
     def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        ctx = PassContext(options, kind, rank=_rank())
+        ctx = PassContext(options, kind, rank=_rank(), shared=shared)
         run_passes(gm, ctx)
         if _capture is not None:
             _capture.append(CompiledGraph(kind, gm, ctx))
@@ -72,8 +72,10 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     opts = CompileOptions.from_dict(options)
     run_passes(gm, PassContext(opts, "dynamo", rank=_rank()))
 
+    shared: dict = {}  # the bucket plan, made on the joint graph, used by all three graphs
+
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        run_passes(joint, PassContext(opts, "joint", rank=_rank()))
+        run_passes(joint, PassContext(opts, "joint", rank=_rank(), shared=shared))
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     decompositions = {}
@@ -83,9 +85,9 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         decompositions = select_decomp_table()
     return aot_autograd(
         decompositions=decompositions,
-        fw_compiler=_graph_compiler("forward", opts),
-        bw_compiler=_graph_compiler("backward", opts),
-        inference_compiler=_graph_compiler("inference", opts),
+        fw_compiler=_graph_compiler("forward", opts, shared),
+        bw_compiler=_graph_compiler("backward", opts, shared),
+        inference_compiler=_graph_compiler("inference", opts, shared),
         partition_fn=partition,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

@@ -5,10 +5,16 @@
     compute dtype first, when one is set). Its autograd formula is ``reduce_grad``.
 ``compshard::reduce_grad(full_grad) -> local_grad``
     Reduce-scatters a full gradient to this rank's rows (all-reduces a replicated one),
-    summed then divided by the world size: the average over ranks, as DDP does.
+    divided by the world size first, then summed: the average over ranks, as DDP does.
 ``compshard::free(buffer)``
     Releases a gathered buffer's storage. Only the backend inserts it, after the last use
     of every alias of the buffer.
+``compshard::all_gather_copy_in`` / ``all_gather_copy_out`` / ``reduce_scatter_copy_in`` /
+``reduce_scatter_copy_out``
+    The pack/unpack work around one bucket's collective, lowered to
+    :mod:`compshard.kernels` (one Triton launch per bucket on CUDA, the torch reference
+    on CPU). Only the backend inserts them. Unpacked tensors are flat; the graph views
+    them to their shapes.
 
 Eagerly the ops communicate for real (so an uncompiled or graph-broken module trains
 correctly, one blocking collective per access); in a compiled graph they are markers that
@@ -150,12 +156,13 @@ def reduce_grad(
     flat = grad.reshape(-1).to(reduce_dtype or grad.dtype)
     if world_size == 1:
         return flat.to(shard_dtype).view(layout.local_shape).clone()
+    flat = flat / world_size
     if layout.replicated:
         reduced = _c10d.all_reduce(flat, "sum", group_name)
     else:
         padded = torch.nn.functional.pad(flat, (0, world_size * layout.padded_shard_numel - flat.numel()))
         reduced = _c10d.reduce_scatter_tensor(padded, "sum", world_size, group_name)
-    averaged = _c10d.wait_tensor(reduced)[: math.prod(layout.local_shape)] / world_size
+    averaged = _c10d.wait_tensor(reduced)[: math.prod(layout.local_shape)]
     return averaged.to(shard_dtype).view(layout.local_shape)
 
 
@@ -175,3 +182,65 @@ def free(buffer: torch.Tensor) -> None:
 @free.register_fake
 def _(buffer):
     return None
+
+
+# ------------------------------------------------------------------- bucket pack/unpack
+
+
+def _kernel(name: str, dtypes: list[torch.dtype]):
+    """The dispatching kernel, or its torch reference for dtypes the kernels do not take."""
+    from compshard import kernels
+
+    supported = all(dtype in kernels.SUPPORTED_DTYPES for dtype in dtypes)
+    return getattr(kernels, name if supported else f"{name}_reference")
+
+
+@torch.library.custom_op("compshard::all_gather_copy_in", mutates_args=())
+def all_gather_copy_in(shards: list[torch.Tensor], shard_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
+    shards = [s.contiguous() for s in shards]
+    return _kernel("all_gather_copy_in", [dtype, *(s.dtype for s in shards)])(shards, shard_numels, dtype)
+
+
+@all_gather_copy_in.register_fake
+def _(shards, shard_numels, dtype):
+    return shards[0].new_empty(sum(shard_numels), dtype=dtype)
+
+
+@torch.library.custom_op("compshard::all_gather_copy_out", mutates_args=())
+def all_gather_copy_out(
+    gathered: torch.Tensor, shard_numels: list[int], numels: list[int], world_size: int
+) -> list[torch.Tensor]:
+    outputs = [gathered.new_empty(n) for n in numels]  # separate storages: each is freed on its own
+    copy_out = _kernel("all_gather_copy_out", [gathered.dtype])
+    return copy_out(gathered, shard_numels, [(n,) for n in numels], world_size, out=outputs)
+
+
+@all_gather_copy_out.register_fake
+def _(gathered, shard_numels, numels, world_size):
+    return [gathered.new_empty(n) for n in numels]
+
+
+@torch.library.custom_op("compshard::reduce_scatter_copy_in", mutates_args=())
+def reduce_scatter_copy_in(
+    grads: list[torch.Tensor], shard_numels: list[int], world_size: int, dtype: torch.dtype, divide_by: float | None
+) -> torch.Tensor:
+    grads = [g.contiguous() for g in grads]
+    copy_in = _kernel("reduce_scatter_copy_in", [dtype, *(g.dtype for g in grads)])
+    return copy_in(grads, shard_numels, world_size, dtype, divide_by)
+
+
+@reduce_scatter_copy_in.register_fake
+def _(grads, shard_numels, world_size, dtype, divide_by):
+    return grads[0].new_empty(world_size * sum(shard_numels), dtype=dtype)
+
+
+@torch.library.custom_op("compshard::reduce_scatter_copy_out", mutates_args=())
+def reduce_scatter_copy_out(
+    reduced: torch.Tensor, shard_numels: list[int], local_numels: list[int], dtype: torch.dtype
+) -> list[torch.Tensor]:
+    return _kernel("reduce_scatter_copy_out", [dtype, reduced.dtype])(reduced, shard_numels, local_numels, dtype)
+
+
+@reduce_scatter_copy_out.register_fake
+def _(reduced, shard_numels, local_numels, dtype):
+    return [reduced.new_empty(n, dtype=dtype) for n in local_numels]

@@ -19,16 +19,34 @@ class CompileOptions:
     Attributes:
         codegen: ``"fx"`` runs the scheduled FX graphs as Python (fast to compile, the
             default); ``"inductor"`` hands them to Inductor for fused code.
+        buckets: how parameters are grouped into one all-gather / reduce-scatter each.
+            ``"auto"``: one bucket per repeated block of the module tree (``layers.3``),
+            other parameters in runs of at most ``bucket_mb``. A number: buckets of at
+            most that many MB in order of first use. A list of module-name patterns
+            (``fnmatch``, e.g. ``["blocks.*", "embed"]``): one bucket per module matched,
+            the rest as for ``"auto"``. ``"none"``: one collective per parameter.
+        bucket_mb: size target (MB of gathered parameters) for the fallback buckets.
+        prefetch: how early each all-gather starts. An int ``d``: ``d`` buckets ahead of
+            its use (0: just before use). ``"auto"``: as late as the cost model says still
+            hides the gather behind compute.
+        max_inflight_mb: bound on the bytes of collectives started and not yet waited
+            (per graph; a single bucket larger than the bound is still allowed alone).
+        memory_budget_mb: MB of gathered parameters that may stay gathered from forward
+            to backward (saving their re-gather); ``None``: none beyond what
+            ``shard(reshard_after_forward=False)`` asks. Smallest buckets are kept first.
         check_schedule: compare a fingerprint of every compiled schedule across ranks at
             compile time and raise on a mismatch (one small collective per graph).
         verify: check graph invariants after every pass (slower compiles; for debugging).
     """
 
     codegen: str = "fx"
+    buckets: Any = "auto"
+    bucket_mb: float = 32.0
+    prefetch: Any = "auto"
+    max_inflight_mb: float = 256.0
+    memory_budget_mb: float | None = None
     check_schedule: bool = True
     verify: bool = False
-
-    _CHOICES = {"codegen": ("fx", "inductor")}
 
     @classmethod
     def from_dict(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
@@ -38,10 +56,52 @@ class CompileOptions:
         if unknown:
             raise ValueError(f"compshard: unknown option(s) {unknown}; allowed options are {allowed}")
         for name, value in options.items():
-            default = getattr(cls, name)
-            if isinstance(default, bool) and not isinstance(value, bool):
-                raise ValueError(f"compshard: option {name!r} must be True or False, got {value!r}")
-            choices = cls._CHOICES.get(name)
-            if choices is not None and value not in choices:
-                raise ValueError(f"compshard: option {name!r} must be one of {list(choices)}, got {value!r}")
+            problem = _VALIDATORS[name](value)
+            if problem:
+                raise ValueError(f"compshard: option {name!r} must be {problem}, got {value!r}")
         return cls(**options)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _choice(*choices: str):
+    return lambda v: None if v in choices else f"one of {list(choices)}"
+
+
+def _flag(value: Any) -> str | None:
+    return None if isinstance(value, bool) else "True or False"
+
+
+def _positive(value: Any) -> str | None:
+    return None if _is_number(value) and value > 0 else "a number > 0"
+
+
+def _buckets(value: Any) -> str | None:
+    if value in ("auto", "none") or (_is_number(value) and value > 0):
+        return None
+    if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) and p for p in value):
+        return None
+    return "'auto', 'none', a size in MB > 0, or a non-empty list of module-name patterns"
+
+
+def _prefetch(value: Any) -> str | None:
+    ok = value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
+    return None if ok else "'auto' or an int >= 0 (buckets ahead)"
+
+
+def _budget(value: Any) -> str | None:
+    return None if value is None or (_is_number(value) and value >= 0) else "None or a number >= 0 (MB)"
+
+
+_VALIDATORS = {
+    "codegen": _choice("fx", "inductor"),
+    "buckets": _buckets,
+    "bucket_mb": _positive,
+    "prefetch": _prefetch,
+    "max_inflight_mb": _positive,
+    "memory_budget_mb": _budget,
+    "check_schedule": _flag,
+    "verify": _flag,
+}

@@ -35,7 +35,9 @@ class Report:
     Attributes:
         graphs: graph kind ("forward", "backward" or "inference") -> scheduled GraphModule.
         collectives: one dict per collective start or free, in graph order, with keys
-            ``graph``, ``kind``, ``unit``, ``bytes``, ``params``, ``node``.
+            ``graph``, ``kind``, ``unit``, ``bytes``, ``params``, ``node``, ``bucket``
+            and, for frees, ``of`` (``"bucket"``: the gathered buffer, ``"param"``: one
+            unpacked parameter).
         fingerprints: graph kind -> schedule fingerprint (the same on every rank).
         peak_bytes: graph kind -> estimated peak bytes the graph allocates.
     """
@@ -46,7 +48,7 @@ class Report:
         self.peak_bytes = {g.kind: g.notes["peak_bytes"] for g in compiled}
         self.collectives = [
             {"graph": kind, "kind": meta["kind"], "unit": meta["unit"], "bytes": meta["bytes"],
-             "params": meta["params"], "node": node.name}
+             "params": meta["params"], "node": node.name, "bucket": meta.get("bucket"), "of": meta.get("of")}
             for kind, gm in self.graphs.items()
             for node in gm.graph.nodes
             if (meta := node.meta.get(META_KEY)) and meta["kind"] in COLLECTIVE_KINDS

@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from compshard import ops
+from compshard import cost_model, ops
 
 __all__ = ["shard", "full_state_dict", "ParamSpec", "param_specs", "is_sharded"]
 
@@ -125,7 +125,9 @@ def shard(
         reduce_dtype: dtype gradients are reduce-scattered in (``None``: the gradient's).
 
     Parameters must be identical on every rank before the call (same seed or loaded
-    state), as each rank keeps its own rows. Buffers are not sharded.
+    state), as each rank keeps its own rows. Buffers are not sharded. Collective: the
+    first call on a process group also calibrates the cost model on it (a few small
+    collectives, under a second).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"compshard.shard: module must be an nn.Module, got {type(module).__name__}")
@@ -142,6 +144,8 @@ def shard(
     world_size = mesh.size() if mesh is not None else 1
     rank = mesh.get_local_rank() if mesh is not None else 0
     group_name = mesh.get_group().group_name if mesh is not None else ""
+    if world_size > 1:
+        cost_model.calibrate(group_name, torch.device(mesh.device_type))
 
     sharded: dict[int, tuple[nn.Parameter, ParamSpec]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):

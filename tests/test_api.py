@@ -19,7 +19,7 @@ def test_backend_is_registered_by_name():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"prefetch": 2}, "unknown option(s) ['prefetch']; allowed options are"),
+        ({"prefetch_depth": 2}, "unknown option(s) ['prefetch_depth']; allowed options are"),
         ({"codegen": "triton"}, "option 'codegen' must be one of ['fx', 'inductor']"),
         ({"check_schedule": "yes"}, "option 'check_schedule' must be True or False"),
     ],

@@ -120,10 +120,9 @@ def _schedule_facts(report) -> dict:
         "kinds": [(c["graph"], c["kind"], tuple(c["params"])) for c in report.collectives],
         "fingerprints": report.fingerprints,
         "backward_gathers": sum(1 for c in report.collectives if c["graph"] == "backward" and c["kind"] == "all_gather"),
-        "forward_frees": sum(1 for c in report.collectives if c["graph"] == "forward" and c["kind"] == "free"),
-        "forward_freed": sorted(p for c in report.collectives if c["graph"] == "forward" and c["kind"] == "free"
-                                for p in c["params"]),
-        "units": sorted({c["unit"] for c in report.collectives}),
+        "forward_freed": sorted(p for c in report.collectives
+                                if (c["graph"], c["kind"], c["of"]) == ("forward", "free", "param") for p in c["params"]),
+        "buckets": sorted({c["bucket"] for c in report.collectives if c.get("bucket")}),
         "table": str(report),
     }
 
@@ -160,11 +159,12 @@ def schedule_results():
 
 
 def test_gathered_parameters_are_never_saved_for_backward(schedule_results):
+    trainable = schedule_results[0]["trainable"]
     for result in schedule_results:
         facts = result["reshard"]
         assert facts["saved_gathered"] == []
         assert facts["backward_gathers"] > 0  # re-gathered in backward instead
-        assert facts["forward_frees"] == sum(1 for k in facts["kinds"] if k[:2] == ("forward", "all_gather"))
+        assert facts["forward_freed"] == trainable  # every gathered parameter is freed in forward
 
 
 def test_reshard_after_forward_false_keeps_parameters_gathered(schedule_results):
@@ -177,16 +177,19 @@ def test_reshard_after_forward_false_keeps_parameters_gathered(schedule_results)
         assert sorted(facts["saved_gathered"] + facts["forward_freed"]) == result["trainable"]
 
 
-def test_schedule_has_one_gather_and_one_reduce_scatter_per_parameter(schedule_results):
+def test_one_bucket_per_block_with_one_gather_and_one_reduce_scatter(schedule_results):
     trainable = schedule_results[0]["trainable"]
     for result in schedule_results:
         kinds = result["reshard"]["kinds"]
-        forward_gathers = sorted(p for g, k, ps in kinds if (g, k) == ("forward", "all_gather") for p in ps)
-        reduced = sorted(p for g, k, ps in kinds if (g, k) == ("backward", "reduce_scatter") for p in ps)
-        assert forward_gathers == trainable  # the tied wte/lm_head weight is gathered once
-        assert reduced == trainable
+        forward_gathers = [ps for g, k, ps in kinds if (g, k) == ("forward", "all_gather")]
+        reduced = [ps for g, k, ps in kinds if (g, k) == ("backward", "reduce_scatter")]
+        assert sorted(p for ps in forward_gathers for p in ps) == trainable  # tied wte/lm_head gathered once
+        assert sorted(p for ps in reduced for p in ps) == trainable
+        blocks = sorted(sorted({p.split(".")[1] for p in ps}) for ps in forward_gathers if ps[0].startswith("blocks"))
+        assert blocks == [["0"], ["1"]]
+        assert len(forward_gathers) == 4 and len(reduced) == 4  # wte+wpe, blocks.0, blocks.1, ln_f
         assert result["reshard"]["metadata_complete"]
-        assert "blocks.0.attn.qkv" in result["reshard"]["units"]
+        assert {"blocks.0", "blocks.1"} <= set(result["reshard"]["buckets"])
 
 
 def test_every_rank_builds_the_same_schedule(schedule_results):

@@ -4,10 +4,12 @@ Each pass is ``pass_(gm, ctx) -> None``, rewriting ``gm.graph`` in place, in its
 module whose docstring states what holds before and after it.
 
   dynamo graph   dedupe_unshard
-  joint graph    tag_gathered_params, then the min-cut partitioner
-  forward        lower_unshard, insert_free, estimate_memory, check_schedule
-  backward       lower_unshard, lower_reduce_grad, insert_free, estimate_memory, check_schedule
-  inference      as forward
+  joint graph    assign_buckets, tag_gathered_params, then the min-cut partitioner
+  forward        lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory,
+                 check_schedule
+  backward       lower_unshard, lower_reduce_grad, estimate_costs, prefetch,
+                 bound_reduce_scatters, insert_free, estimate_memory, check_schedule
+  inference      assign_buckets (no joint graph is made for inference), then as forward
 """
 
 from __future__ import annotations
@@ -16,23 +18,29 @@ from typing import Callable, Sequence
 
 from torch import fx
 
+from compshard.passes.assign_buckets import assign_buckets
+from compshard.passes.bound_reduce_scatters import bound_reduce_scatters
 from compshard.passes.check_schedule import ScheduleError, check_schedule
 from compshard.passes.context import PassContext
 from compshard.passes.dedupe_unshard import dedupe_unshard
+from compshard.passes.estimate_costs import estimate_costs
 from compshard.passes.estimate_memory import estimate_memory
 from compshard.passes.insert_free import insert_free
 from compshard.passes.lower_reduce_grad import lower_reduce_grad
 from compshard.passes.lower_unshard import lower_unshard
+from compshard.passes.prefetch import prefetch
 from compshard.passes.tag_gathered_params import tag_gathered_params
 
 Pass = Callable[[fx.GraphModule, PassContext], None]
 
 PIPELINES: dict[str, Sequence[Pass]] = {
     "dynamo": (dedupe_unshard,),
-    "joint": (tag_gathered_params,),
-    "forward": (lower_unshard, insert_free, estimate_memory, check_schedule),
-    "backward": (lower_unshard, lower_reduce_grad, insert_free, estimate_memory, check_schedule),
-    "inference": (lower_unshard, insert_free, estimate_memory, check_schedule),
+    "joint": (assign_buckets, tag_gathered_params),
+    "forward": (lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory, check_schedule),
+    "backward": (lower_unshard, lower_reduce_grad, estimate_costs, prefetch, bound_reduce_scatters, insert_free,
+                 estimate_memory, check_schedule),
+    "inference": (assign_buckets, lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory,
+                  check_schedule),
 }
 
 

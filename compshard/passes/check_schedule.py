@@ -3,8 +3,10 @@
 Invariants (a violation is a compshard bug and raises ``ScheduleError``):
   - every collective start has exactly one wait, after it; every wait follows a start;
   - every use of a gathered buffer comes after its wait, and its ``free`` after all uses;
-  - with ``reshard_after_forward=True`` no gathered parameter leaves the forward graph
-    (it is never saved for backward).
+  - no gathered parameter of a bucket resharded after forward leaves the forward graph
+    (it is never saved for backward);
+  - at every collective start, the bytes of collectives of its kind started and not yet
+    waited (itself included) fit ``max_inflight_mb``, unless it is alone in flight.
 
 Fingerprint: the sequence of scheduled nodes (kind, parameters, bytes, and position
 counted in original non-view compute nodes) with rank-independent facts only: local shard
@@ -59,6 +61,7 @@ def _check_invariants(graph: fx.Graph, ctx: PassContext) -> None:
                 raise ScheduleError(f"{ctx.graph} graph: collective {node.name} must have exactly one user, its wait")
         if is_op(node, c10d.wait_tensor.default) and schedule_kind(node.args[0]) not in _STARTS:
             raise ScheduleError(f"{ctx.graph} graph: wait {node.name} does not follow a collective start")
+    kept = {bucket.name: bucket.keep_gathered for bucket in ctx.shared.get("buckets", [])}
     for buffer in gathered_buffers(graph):
         group = aliases(buffer)
         for alias in group:
@@ -69,10 +72,25 @@ def _check_invariants(graph: fx.Graph, ctx: PassContext) -> None:
                     late = [u.name for a in group for u in a.users if u not in group and order[u] > order[user]]
                     if late:
                         raise ScheduleError(f"{ctx.graph} graph: {late} use {buffer.name} after its free")
-        params = buffer.meta[META_KEY]["params"]
-        if ctx.graph == "forward" and escapes(buffer) and ctx.notes.get("reshard", {}).get(params[0], True):
-            raise ScheduleError(f"forward graph saves gathered parameter(s) {params} for backward "
-                                "although reshard_after_forward=True")
+        meta = buffer.meta[META_KEY]
+        if ctx.graph == "forward" and escapes(buffer) and not kept[meta["bucket"]]:
+            raise ScheduleError(f"forward graph saves gathered parameter(s) {meta['params']} for backward "
+                                f"although their bucket {meta['bucket']} is resharded after forward")
+
+
+def _check_inflight(graph: fx.Graph, ctx: PassContext) -> None:
+    bound = ctx.options.max_inflight_mb * 2**20
+    inflight: dict[str, dict[fx.Node, int]] = {kind: {} for kind in _STARTS}
+    for node in graph.nodes:
+        kind = schedule_kind(node)
+        if kind in _STARTS:
+            inflight[kind][node] = node.meta[META_KEY]["bytes"]
+            if len(inflight[kind]) > 1 and sum(inflight[kind].values()) > bound:
+                raise ScheduleError(f"{ctx.graph} graph: {sum(inflight[kind].values())} bytes of {kind} in flight at "
+                                    f"{node.name}, over max_inflight_mb={ctx.options.max_inflight_mb}")
+        elif kind == "wait":
+            for started in inflight.values():
+                started.pop(node.args[0], None)
 
 
 def _group_of(graph: fx.Graph) -> str | None:
@@ -105,6 +123,7 @@ def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContex
 
 def check_schedule(gm: fx.GraphModule, ctx: PassContext) -> None:
     _check_invariants(gm.graph, ctx)
+    _check_inflight(gm.graph, ctx)
     entries = schedule_entries(gm.graph)
     ctx.notes["fingerprint"] = fingerprint(entries)
     group_name = _group_of(gm.graph)

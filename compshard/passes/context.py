@@ -15,5 +15,8 @@ class PassContext:
     options: CompileOptions
     graph: GraphKind
     rank: int = 0
-    # Filled by the passes, read by later passes, the report and the fingerprint check.
+    # One compile's decisions shared by its joint, forward and backward graphs (the bucket
+    # plan): the backend hands the same dict to each of them.
+    shared: dict = field(default_factory=dict)
+    # Filled by the passes on this graph, read by later passes, the report and the check.
     notes: dict = field(default_factory=dict)

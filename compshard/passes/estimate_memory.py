@@ -18,8 +18,8 @@ LIVE_BYTES = "compshard_live_bytes"
 
 
 def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node | None:
-    if node.op == "placeholder":
-        return None
+    if node.op == "placeholder" or isinstance(node.meta.get("val"), (list, tuple)):
+        return None  # inputs are not counted; a multi-output node's getitems are
     if is_view(node) or is_op(node, c10d.wait_tensor.default):
         parent = node.args[0]
         return roots.get(parent) if isinstance(parent, fx.Node) else None

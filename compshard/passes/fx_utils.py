@@ -106,3 +106,40 @@ def schedule_meta(kind: str, params: list[str], nbytes_: int, collective: str | 
 def schedule_kind(node: fx.Node) -> str | None:
     meta = node.meta.get(META_KEY)
     return meta["kind"] if meta else None
+
+
+def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
+    """Move ``node`` and the inputs it needs above ``anchor``.
+
+    Only placeholders and views of them move (a shard's path from the graph input), so
+    moving cannot change what any node computes.
+    """
+    order = node_order(anchor.graph)
+    pending = [node]
+    to_move: list[fx.Node] = []
+    while pending:
+        current = pending.pop()
+        if current.op == "placeholder" or order[current] < order[anchor] or current in to_move:
+            continue
+        if not is_view(current):
+            raise RuntimeError(f"compshard: cannot move {current.format_node()} above {anchor.name}: not a view")
+        to_move.append(current)
+        pending.extend(current.all_input_nodes)
+    for moving in sorted(to_move, key=order.__getitem__):
+        anchor.prepend(moving)
+
+
+def sink_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
+    """Move ``nodes`` and everything that depends on them and precedes ``anchor`` to just
+    above ``anchor``, keeping their order. Used to run users of a value that is now
+    produced later (a bucket's unpacked gradient) after it; they only get delayed."""
+    order = node_order(anchor.graph)
+    moving, pending = set(), list(nodes)
+    while pending:
+        node = pending.pop()
+        if node in moving or order[node] >= order[anchor]:
+            continue
+        moving.add(node)
+        pending.extend(node.users)
+    for node in sorted(moving, key=order.__getitem__):
+        anchor.prepend(node)

@@ -1,11 +1,12 @@
-"""Forward/backward pass: free each gathered parameter right after its last use.
+"""Forward/backward pass: free each gathered buffer and parameter right after its last use.
 
-Before: all-gather waits whose buffers live until Python drops the last reference.
-After: a ``compshard::free(buffer)`` node directly after the last user of any alias of
-each gathered buffer, releasing its storage at that point even if something else still
-holds a reference. A buffer with an alias among the graph outputs is left alone: it is
-saved for backward (``reshard_after_forward=False``) and autograd releases it after use.
-Frees are not inserted for Inductor codegen, which plans buffer lifetimes itself.
+Before: gathered values (nodes marked ``gathered``: a bucket's all-gather output and each
+parameter unpacked from it) live until Python drops the last reference.
+After: a ``compshard::free(value)`` node directly after the last user of any alias of
+each one, releasing its storage at that point even if something else still holds a
+reference. A value with an alias among the graph outputs is left alone: it is saved for
+backward (a kept bucket) and autograd releases it after use. Frees are not inserted for
+Inductor codegen, which plans buffer lifetimes itself.
 """
 
 from __future__ import annotations
@@ -13,17 +14,12 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import (
-    META_KEY, aliases, c10d, compshard_ops, emit, is_op, node_order, schedule_kind, schedule_meta,
-)
+from compshard.passes.fx_utils import META_KEY, aliases, compshard_ops, emit, node_order, schedule_meta
 
 
 def gathered_buffers(graph: fx.Graph) -> list[fx.Node]:
-    """The ``wait_tensor`` nodes of all-gathers: each one's output is a gathered buffer."""
-    return [
-        node for node in graph.nodes
-        if is_op(node, c10d.wait_tensor.default) and schedule_kind(node.args[0]) == "all_gather"
-    ]
+    """Bucket all-gather outputs and the parameters unpacked from them."""
+    return [node for node in graph.nodes if node.meta.get(META_KEY, {}).get("gathered")]
 
 
 def escapes(buffer: fx.Node) -> bool:
@@ -45,5 +41,6 @@ def insert_free(gm: fx.GraphModule, ctx: PassContext) -> None:
         last = max(users, key=order.__getitem__)
         meta = buffer.meta[META_KEY]
         with graph.inserting_after(last):
+            of = "bucket" if meta["kind"] == "wait" else "param"
             emit(graph, compshard_ops.free.default, (buffer,),
-                 meta=schedule_meta("free", meta["params"], meta["bytes"], meta["collective"]))
+                 meta={**schedule_meta("free", meta["params"], meta["bytes"], meta["collective"]), "of": of})

@@ -1,11 +1,15 @@
-"""Forward/backward pass: lower ``compshard::unshard`` to an asynchronous all-gather.
+"""Forward/backward pass: lower ``compshard::unshard`` to one all-gather per bucket.
 
-Before: ``full = unshard(shard, ...)`` (a marker op).
-After, at the marker's place: ``pack`` nodes (flatten, cast to the compute dtype, zero-pad
-to the padded shard length ``L``) and the ``all_gather_into_tensor`` start; just before
-the first use of ``full``: its ``wait_tensor`` and ``unpack`` nodes (drop the padding,
-view as the full shape). A later pass may move the start earlier (prefetch); the wait
-stays just before first use, so every use is after its wait.
+Before: ``full = unshard(shard, ...)`` per parameter (marker ops); the bucket plan in
+``ctx.shared`` (see ``assign_buckets``).
+After, for the parameters of each bucket present in this graph (a backward graph
+re-gathers only those it needs), at the first member's place: a ``pack`` node
+(``compshard::all_gather_copy_in``: flatten, cast, zero-pad and concatenate the shards)
+and the ``all_gather_into_tensor`` start; just before the first use of any member: the
+``wait_tensor`` and ``unpack`` nodes (``compshard::all_gather_copy_out`` into one flat
+tensor per parameter, then a view to its shape). Gathered buffers and unpacked
+parameters carry ``meta["compshard"]["gathered"] = True`` for the free pass. A later pass
+may move pack and start earlier (prefetch); the wait stays before first use.
 
 World size 1 and replicated (0-d) parameters need no collective: ``full`` is a view of
 the (cast) shard, and nothing is inserted for them to free.
@@ -13,50 +17,81 @@ the (cast) shard, and nothing is inserted for them to free.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 from torch import fx
 
 from compshard.ops import Layout
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aten, c10d, compshard_ops, emit, is_op, nbytes, node_order, schedule_meta
+from compshard.passes.fx_utils import aten, c10d, compshard_ops, emit, hoist_before, is_op, node_order, schedule_meta
 
 prims = torch.ops.prims
 
 
+def members_by_bucket(nodes: list[fx.Node], ctx: PassContext, param_arg: int) -> list[tuple]:
+    """(bucket, member nodes) in order of each bucket's first member in the graph."""
+    groups: dict[int, tuple] = {}
+    for node in nodes:
+        bucket = ctx.shared["bucket_of"][node.args[param_arg]]
+        groups.setdefault(bucket.index, (bucket, []))[1].append(node)
+    return list(groups.values())
+
+
+def _lower_locally(graph: fx.Graph, node: fx.Node) -> None:
+    shard, full_shape, _, _, param, _, _, _ = node.args
+    dtype = node.meta["val"].dtype
+    with graph.inserting_before(node):
+        flat = emit(graph, aten.view.default, (shard, [-1]), meta=schedule_meta("pack", [param], 0))
+        if dtype != shard.meta["val"].dtype:
+            flat = emit(graph, prims.convert_element_type.default, (flat, dtype),
+                        meta=schedule_meta("pack", [param], flat.meta["val"].numel() * dtype.itemsize))
+        full = emit(graph, aten.view.default, (flat, list(full_shape)), meta=schedule_meta("unpack", [param], 0))
+    node.replace_all_uses_with(full)
+    graph.erase_node(node)
+
+
+def _lower_bucket(graph: fx.Graph, bucket, members: list[fx.Node], label: str) -> None:
+    _, _, world_size, group_name, _, _, _, _ = members[0].args
+    names = [m.args[4] for m in members]
+    layouts = [Layout(tuple(m.args[1]), world_size, rank=0) for m in members]
+    shard_numels = [layout.padded_shard_numel for layout in layouts]
+    dtype = members[0].meta["val"].dtype
+    gathered_bytes = world_size * sum(shard_numels) * dtype.itemsize
+
+    def meta(kind: str, params: list[str], nbytes: int, **extra) -> dict:
+        return {**schedule_meta(kind, params, nbytes, label), "bucket": bucket.name, **extra}
+
+    for member in members[1:]:
+        hoist_before(member.args[0], members[0])
+    with graph.inserting_before(members[0]):
+        packed = emit(graph, compshard_ops.all_gather_copy_in.default, ([m.args[0] for m in members], shard_numels, dtype),
+                      meta=meta("pack", names, sum(shard_numels) * dtype.itemsize))
+        start = emit(graph, c10d.all_gather_into_tensor.default, (packed, world_size, group_name),
+                     meta=meta("all_gather", names, gathered_bytes))
+    order = node_order(graph)
+    first_use = min((u for m in members for u in m.users), key=order.__getitem__)
+    with graph.inserting_before(first_use):
+        buffer = emit(graph, c10d.wait_tensor.default, (start,), meta=meta("wait", names, gathered_bytes, gathered=True))
+        unpacked = emit(graph, compshard_ops.all_gather_copy_out.default,
+                        (buffer, shard_numels, [layout.numel for layout in layouts], world_size),
+                        meta=meta("unpack", names, sum(layout.numel for layout in layouts) * dtype.itemsize))
+        for i, (member, layout) in enumerate(zip(members, layouts)):
+            flat = emit(graph, operator.getitem, (unpacked, i),
+                        meta=meta("unpack", [names[i]], layout.numel * dtype.itemsize, gathered=True))
+            full = emit(graph, aten.view.default, (flat, list(layout.full_shape)), meta=meta("unpack", [names[i]], 0))
+            member.replace_all_uses_with(full)
+            graph.erase_node(member)
+
+
 def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
-    for index, node in enumerate([n for n in graph.nodes if is_op(n, compshard_ops.unshard.default)]):
-        shard, full_shape, world_size, group_name, param, param_dtype, _, reshard_after_forward = node.args
-        ctx.notes.setdefault("reshard", {})[param] = reshard_after_forward
-        layout = Layout(tuple(full_shape), world_size, rank=0)
-        local_numel = shard.meta["val"].numel()
-        dtype = node.meta["val"].dtype
-        label = f"{ctx.graph}.all_gather.{index}"
-
-        def meta(kind: str, nbytes_: int) -> dict:
-            return schedule_meta(kind, [param], nbytes_, label)
-
-        with graph.inserting_before(node):
-            flat = emit(graph, aten.view.default, (shard, [-1]), meta=meta("pack", local_numel * dtype.itemsize))
-            if dtype != shard.meta["val"].dtype:
-                flat = emit(graph, prims.convert_element_type.default, (flat, dtype), meta=meta("pack", nbytes(flat.meta["val"])))
-            if world_size == 1 or layout.replicated:
-                full = emit(graph, aten.view.default, (flat, list(full_shape)), meta=meta("unpack", 0))
-                node.replace_all_uses_with(full)
-                graph.erase_node(node)
-                continue
-            padded_numel = layout.padded_shard_numel
-            if local_numel < padded_numel:
-                flat = emit(graph, aten.constant_pad_nd.default, (flat, [0, padded_numel - local_numel], 0.0),
-                            meta=meta("pack", padded_numel * dtype.itemsize))
-            gathered_bytes = world_size * padded_numel * dtype.itemsize
-            start = emit(graph, c10d.all_gather_into_tensor.default, (flat, world_size, group_name),
-                         meta=meta("all_gather", gathered_bytes))
-        first_use = min(node.users, key=node_order(graph).__getitem__)
-        with graph.inserting_before(first_use):
-            full = emit(graph, c10d.wait_tensor.default, (start,), meta=meta("wait", gathered_bytes))
-            if layout.numel < world_size * padded_numel:
-                full = emit(graph, aten.slice.Tensor, (full, 0, 0, layout.numel), meta=meta("unpack", 0))
-            full = emit(graph, aten.view.default, (full, list(full_shape)), meta=meta("unpack", 0))
-        node.replace_all_uses_with(full)
-        graph.erase_node(node)
+    remote = []
+    for node in [n for n in graph.nodes if is_op(n, compshard_ops.unshard.default)]:
+        shard, full_shape, world_size, *_ = node.args
+        if world_size == 1 or Layout(tuple(full_shape), world_size, rank=0).replicated:
+            _lower_locally(graph, node)
+        else:
+            remote.append(node)
+    for index, (bucket, members) in enumerate(members_by_bucket(remote, ctx, param_arg=4)):
+        _lower_bucket(graph, bucket, members, f"{ctx.graph}.all_gather.{index}")

@@ -1,12 +1,13 @@
 """Joint-graph pass: decide, per parameter, whether its gathered value is saved for backward.
 
-For ``reshard_after_forward=True`` the whole chain from the shard to its compute users
-(``unshard`` and the views and dtype casts applied to its result) is tagged
+A parameter whose bucket is not ``keep_gathered`` (see ``assign_buckets``; the default
+with ``reshard_after_forward=True``) has the whole chain from the shard to its compute
+users (``unshard`` and the views and dtype casts applied to its result) tagged
 ``MUST_RECOMPUTE``, so the partitioner saves only the shard (a graph input) and the
-backward graph gathers again. For ``False`` the ``unshard`` output is tagged ``MUST_SAVE``:
-one gather per step, the full parameter held from forward to backward.
+backward graph gathers again. A kept parameter's ``unshard`` output is tagged
+``MUST_SAVE``: one gather per step, the full parameter held from forward to backward.
 
-The tags are decided from the op arguments alone, identically on every rank.
+The tags follow the bucket plan, which is the same on every rank.
 """
 
 from __future__ import annotations
@@ -36,8 +37,7 @@ def tag_gathered_params(gm: fx.GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         if not is_op(node, compshard_ops.unshard.default):
             continue
-        reshard_after_forward = node.args[7]
-        if reshard_after_forward:
+        if not ctx.shared["bucket_of"][node.args[4]].keep_gathered:
             for member in gathered_chain(node):
                 member.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         else:

@@ -1,0 +1,33 @@
+"""Backward pass: wait reduce-scatters as late as the in-flight bound allows.
+
+Before: every reduce-scatter is waited just before its gradients' first use (for
+gradients that are graph outputs: at the end), so all of their full-size input buffers
+could be in flight at once.
+After: walking the starts in order, when starting one would put more than
+``max_inflight_mb`` of reduce-scatters in flight, the oldest in-flight ones are waited
+(their wait and unpack nodes moved) just before it. With the default bound and small
+models nothing moves: waits stay at the end, as late as possible.
+
+Trade-off: a lower bound frees gradient buffers sooner at the cost of blocking earlier.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from compshard.passes.context import PassContext
+from compshard.passes.fx_utils import META_KEY
+from compshard.passes.prefetch import MB, collective_groups
+
+
+def bound_reduce_scatters(gm: fx.GraphModule, ctx: PassContext) -> None:
+    bound = ctx.options.max_inflight_mb * MB
+    inflight: list[dict] = []
+    for group in collective_groups(gm.graph, "reduce_scatter"):
+        nbytes = group["start"].meta[META_KEY]["bytes"]
+        while inflight and sum(g["start"].meta[META_KEY]["bytes"] for g in inflight) + nbytes > bound:
+            oldest = inflight.pop(0)
+            anchor = group["pack"][0] if group["pack"] else group["start"]
+            for node in [oldest["wait"], *oldest["unpack"]]:
+                anchor.prepend(node)
+        inflight.append(group)

@@ -1,0 +1,102 @@
+"""Forward/backward pass: start each bucket's all-gather early enough to hide it.
+
+Before: each bucket's pack + all-gather start sits at its first member's place and its
+wait just before first use (no overlap).
+After: bucket ``i``'s pack and start sit just after the wait of bucket ``i - d`` (the
+graph's start when ``i - d < 0``), so the gather runs while buckets ``i - d .. i - 1``
+compute. ``options.prefetch = d`` fixes the distance; ``"auto"`` picks, per bucket, the
+smallest ``d`` whose compute window (estimated seconds of the nodes between the start
+and the wait) covers the gather's estimated time, or the largest allowed when none does.
+Either way ``d`` shrinks until the bytes of all-gathers in flight at the start (started
+and not yet waited, this one included) fit ``max_inflight_mb``; a bucket alone may
+exceed it. Waits do not move, so every use still follows its wait; ``ctx.notes`` records
+each bucket's distance.
+
+Trade-off: a larger distance hides more latency but holds more gathered bytes at once.
+"""
+
+from __future__ import annotations
+
+from torch import fx
+
+from compshard.passes.context import PassContext
+from compshard.passes.estimate_costs import SECONDS
+from compshard.passes.fx_utils import META_KEY, hoist_before, node_order, schedule_kind
+
+MB = 2**20
+
+
+def collective_groups(graph: fx.Graph, kind: str) -> list[dict]:
+    """Each collective of ``kind`` with its pack nodes, start, wait and unpack nodes, in
+    order of the start."""
+    groups: dict[str, dict] = {}
+    for node in graph.nodes:
+        meta = node.meta.get(META_KEY)
+        if not meta or not meta["collective"]:
+            continue
+        group = groups.setdefault(meta["collective"], {"pack": [], "unpack": [], "start": None, "wait": None})
+        if meta["kind"] == kind:
+            group["start"] = node
+        elif meta["kind"] in ("pack", "unpack"):
+            group[meta["kind"]].append(node)
+        elif meta["kind"] == "wait":
+            group["wait"] = node
+    return [g for g in groups.values() if g["start"] is not None]
+
+
+def _inflight_bytes(gathers: list[dict], index: int, anchor_position: int, order: dict) -> int:
+    nbytes = gathers[index]["start"].meta[META_KEY]["bytes"]
+    for other in gathers[:index]:
+        if order[other["start"]] < anchor_position <= order[other["wait"]]:
+            nbytes += other["start"].meta[META_KEY]["bytes"]
+    return nbytes
+
+
+def _window_seconds(graph: fx.Graph, begin: int, end: int, order: dict) -> float:
+    return sum(n.meta.get(SECONDS, 0.0) for n in graph.nodes
+               if begin <= order[n] < end and schedule_kind(n) is None)
+
+
+def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
+    graph = gm.graph
+    gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: node_order(graph)[g["wait"]])
+    last_input = list(graph.find_nodes(op="placeholder"))[-1]
+    bound = ctx.options.max_inflight_mb * MB
+    distances = {}
+    for i, gather in enumerate(gathers):
+        order = node_order(graph)
+        wait_position = order[gather["wait"]]
+
+        def after(d: int) -> fx.Node:
+            """The node the start goes after for distance ``d``."""
+            return gathers[i - d]["wait"] if i - d >= 0 else last_input
+
+        allowed = []
+        for d in range(1, i + 2):
+            position = order[after(d)] + 1
+            if position >= order[gather["start"]] or _inflight_bytes(gathers, i, position, order) > bound:
+                break
+            allowed.append(d)
+        d = 0
+        if allowed and ctx.options.prefetch == "auto":
+            need = gather["start"].meta[SECONDS]
+            covering = [d for d in allowed if _window_seconds(graph, order[after(d)] + 1, wait_position, order) >= need]
+            d = covering[0] if covering else allowed[-1]
+        elif allowed:
+            d = min(ctx.options.prefetch, allowed[-1])
+        distances[gather["start"].meta[META_KEY]["bucket"]] = d
+        if d == 0:
+            continue
+        moving = gather["pack"] + [gather["start"]]
+        cursor = after(d)
+        placed = {n for g in gathers[:i] for n in g["pack"] + [g["start"]]}
+        while cursor.next in placed:  # keep issue order = order of use
+            cursor = cursor.next
+        for node in moving:
+            cursor.append(node)
+            cursor = node
+        for node in moving:
+            for shard in node.all_input_nodes:
+                if shard not in moving:
+                    hoist_before(shard, moving[0])
+    ctx.notes["prefetch"] = distances
