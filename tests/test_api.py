@@ -92,3 +92,45 @@ def test_inspect_at_world_size_one_and_leaves_grads_alone():
     assert report.collectives == []  # one rank: nothing to gather, reduce or free
     assert "live after" in str(report)
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+
+
+@pytest.mark.parametrize(
+    "options, message",
+    [
+        ({"buckets": 0}, "option 'buckets' must be 'auto', 'none', a size in MB > 0, or a non-empty list"),
+        ({"buckets": []}, "option 'buckets' must be"),
+        ({"prefetch": -1}, "option 'prefetch' must be 'auto' or an int >= 0"),
+        ({"prefetch": True}, "option 'prefetch' must be 'auto' or an int >= 0"),
+        ({"max_inflight_mb": 0}, "option 'max_inflight_mb' must be a number > 0"),
+        ({"memory_budget_mb": -5}, "option 'memory_budget_mb' must be None or a number >= 0"),
+        ({"bucket_mb": "big"}, "option 'bucket_mb' must be a number > 0"),
+    ],
+)
+def test_bad_scheduling_options(options, message):
+    with pytest.raises(ValueError) as error:
+        compshard.CompileOptions.from_dict(options)
+    assert message in str(error.value)
+
+
+def test_bucket_plan_follows_blocks_patterns_sizes_and_budget():
+    from compshard.passes.assign_buckets import _Param, plan_buckets
+
+    names = ["wte.weight", "wpe.weight"] + [f"blocks.{i}.{m}" for i in range(2) for m in ("ln.weight", "fc.weight")]
+    names.append("ln_f.weight")
+    params = [_Param(name, 100, ("group", 2, torch.float32, None), keep=False) for name in names]
+
+    def plan(**options):
+        return [(b.name, b.params, b.keep_gathered) for b in plan_buckets(params, compshard.CompileOptions(**options))]
+
+    assert [name for name, _, _ in plan()] == ["rest.0", "blocks.0", "blocks.1", "rest.1"]
+    assert plan()[1][1] == ("blocks.0.ln.weight", "blocks.0.fc.weight")
+    assert len(plan(buckets="none")) == len(names)
+    assert [len(p) for _, p, _ in plan(buckets=250 / 2**20)] == [2, 2, 2, 1]  # 250 bytes: two 100-byte params each
+    assert [name for name, _, _ in plan(buckets=["blocks.*.fc", "wte"])] == [
+        "wte", "rest.0", "blocks.0.fc", "rest.1", "blocks.1.fc", "rest.2"]
+    # a budget of 100 bytes keeps exactly the smallest bucket (ln_f) gathered
+    assert [keep for _, _, keep in plan(memory_budget_mb=100 / 2**20)] == [False, False, False, True]
+    # a block holding two gather dtypes becomes one bucket per dtype: collectives never mix keys
+    bf16 = _Param("blocks.0.half.weight", 100, ("group", 2, torch.bfloat16, None), keep=False)
+    split = plan_buckets(params[:4] + [bf16] + params[4:], compshard.CompileOptions())
+    assert [(b.name, len(b.params)) for b in split][1:3] == [("blocks.0#0", 2), ("blocks.0#1", 1)]

@@ -127,6 +127,37 @@ def _schedule_facts(report) -> dict:
     }
 
 
+OPTION_VARIANTS = {
+    "per-parameter": ("uneven", {"buckets": "none", "prefetch": 0}),
+    "patterns": ("uneven", {"buckets": ["twice", "narrow"], "prefetch": 2}),
+    "size-buckets": ("mlp", {"buckets": 0.001}),
+    "bounded": ("gpt", {"prefetch": 3, "max_inflight_mb": 0.05, "memory_budget_mb": 0.01}),
+}
+
+
+def _independent_checks(graph) -> dict:
+    """Schedule invariants, checked here without the compiler's own checker: each wait
+    follows its start, nothing reads a gathered value before its wait, and the largest
+    bytes of all-gathers (and of reduce-scatters) in flight together."""
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    starts = {n: n.meta["compshard"] for n in graph.nodes
+              if n.meta.get("compshard", {}).get("kind") in ("all_gather", "reduce_scatter")}
+    waits = {n.args[0]: n for n in graph.nodes if n.meta.get("compshard", {}).get("kind") == "wait"}
+    ordered = all(order[waits[s]] > order[s] for s in starts if s in waits) and set(waits) >= set(starts)
+    early_use = [n.name for b in gathered_buffers(graph) for a in aliases(b) for n in a.users
+                 if n.op != "output" and order[n] < order[b]]
+    peak = {"all_gather": [], "reduce_scatter": []}
+    inflight: dict = {}
+    for node in graph.nodes:
+        if node in starts:
+            inflight[node] = starts[node]
+            peak[starts[node]["kind"]].append(
+                [m["bytes"] for m in inflight.values() if m["kind"] == starts[node]["kind"]])
+        elif node.meta.get("compshard", {}).get("kind") == "wait":
+            inflight.pop(node.args[0], None)
+    return {"ordered": ordered, "early_use": early_use, "inflight": peak}
+
+
 def schedule_worker(rank: int, world_size: int) -> dict:
     results = {}
     model, batch = make_model("gpt")
@@ -136,6 +167,15 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     kept = compshard.shard(copy.deepcopy(model), reshard_after_forward=False)
     results["keep"] = _schedule_facts(compshard.inspect(kept, *local))
     results["trainable"] = sorted(compshard.sharding.param_specs(kept))
+
+    for name, (model_name, options) in OPTION_VARIANTS.items():
+        torch._dynamo.reset()
+        variant = parity(model_name, rank, world_size, compile_options=options)
+        results[name] = {k: variant[k] for k in ("loss", "params", "keys_match")}
+    torch._dynamo.reset()
+    bounded = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options=OPTION_VARIANTS["bounded"][1])
+    results["bounded_schedule"] = {kind: _independent_checks(gm.graph) for kind, gm in bounded.graphs.items()}
+    results["bounded_prefetch"] = _schedule_facts(bounded)["kinds"]
 
     torch._dynamo.reset()
     inductor = parity("mlp", rank, world_size, compile_options={"codegen": "inductor"})
@@ -203,6 +243,28 @@ def test_report_table_lists_the_schedule(schedule_results):
         assert column in table
     for kind in ("all_gather", "wait", "free", "reduce_scatter"):
         assert kind in table
+
+
+@pytest.mark.parametrize("variant", list(OPTION_VARIANTS))
+def test_scheduling_options_keep_parity(schedule_results, variant):
+    for result in schedule_results:
+        got = result[variant]
+        assert got["keys_match"]
+        assert got["loss"] <= RTOL, got["loss"]
+        worst = max(got["params"], key=got["params"].get)
+        assert got["params"][worst] <= RTOL, (worst, got["params"][worst])
+
+
+def test_schedule_invariants_hold_under_a_tight_inflight_bound(schedule_results):
+    bound = OPTION_VARIANTS["bounded"][1]["max_inflight_mb"] * 2**20
+    for result in schedule_results:
+        for graph, facts in result["bounded_schedule"].items():
+            assert facts["ordered"], graph
+            assert facts["early_use"] == [], graph
+            for kind, snapshots in facts["inflight"].items():
+                for inflight in snapshots:  # at each start: bytes in flight, or one bucket alone
+                    assert len(inflight) == 1 or sum(inflight) <= bound, (graph, kind, inflight)
+    assert schedule_results[0]["bounded_prefetch"] == schedule_results[1]["bounded_prefetch"]
 
 
 def test_inductor_codegen_matches_eager(schedule_results):

@@ -16,18 +16,20 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import META_KEY
+from compshard.passes.fx_utils import META_KEY, node_order
 from compshard.passes.prefetch import MB, collective_groups
 
 
 def bound_reduce_scatters(gm: fx.GraphModule, ctx: PassContext) -> None:
     bound = ctx.options.max_inflight_mb * MB
-    inflight: list[dict] = []
+    started: list[dict] = []
     for group in collective_groups(gm.graph, "reduce_scatter"):
+        anchor = group["pack"][0] if group["pack"] else group["start"]
+        order = node_order(gm.graph)
+        inflight = [g for g in started if order[g["wait"]] > order[anchor]]  # waits only ever move up
         nbytes = group["start"].meta[META_KEY]["bytes"]
         while inflight and sum(g["start"].meta[META_KEY]["bytes"] for g in inflight) + nbytes > bound:
-            oldest = inflight.pop(0)
-            anchor = group["pack"][0] if group["pack"] else group["start"]
-            for node in [oldest["wait"], *oldest["unpack"]]:
+            for node in [inflight[0]["wait"], *inflight[0]["unpack"]]:
                 anchor.prepend(node)
-        inflight.append(group)
+            inflight.pop(0)
+        started.append(group)

@@ -1,8 +1,9 @@
 """Forward/backward pass: start each bucket's all-gather early enough to hide it.
 
 Before: each bucket's pack + all-gather start sits at its first member's place and its
-wait just before first use (no overlap).
-After: bucket ``i``'s pack and start sit just after the wait of bucket ``i - d`` (the
+wait just before first use. The pass first moves every start down to just before its
+wait (no two gathers overlap), then
+after: bucket ``i``'s pack and start sit just after the wait of bucket ``i - d`` (the
 graph's start when ``i - d < 0``), so the gather runs while buckets ``i - d .. i - 1``
 compute. ``options.prefetch = d`` fixes the distance; ``"auto"`` picks, per bucket, the
 smallest ``d`` whose compute window (estimated seconds of the nodes between the start
@@ -44,10 +45,13 @@ def collective_groups(graph: fx.Graph, kind: str) -> list[dict]:
     return [g for g in groups.values() if g["start"] is not None]
 
 
-def _inflight_bytes(gathers: list[dict], index: int, anchor_position: int, order: dict) -> int:
+def _inflight_bytes(gathers: list[dict], index: int, start_position: int, order: dict) -> int:
+    """Bytes in flight if gather ``index`` ran from ``start_position`` to its wait: its own
+    plus every other gather whose interval meets that span (an upper bound)."""
+    wait_position = order[gathers[index]["wait"]]
     nbytes = gathers[index]["start"].meta[META_KEY]["bytes"]
-    for other in gathers[:index]:
-        if order[other["start"]] < anchor_position <= order[other["wait"]]:
+    for k, other in enumerate(gathers):
+        if k != index and order[other["start"]] < wait_position and order[other["wait"]] >= start_position:
             nbytes += other["start"].meta[META_KEY]["bytes"]
     return nbytes
 
@@ -62,6 +66,9 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
     gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: node_order(graph)[g["wait"]])
     last_input = list(graph.find_nodes(op="placeholder"))[-1]
     bound = ctx.options.max_inflight_mb * MB
+    for gather in gathers:  # from a known state: every start just before its wait, nothing in flight
+        for node in gather["pack"] + [gather["start"]]:
+            gather["wait"].prepend(node)
     distances = {}
     for i, gather in enumerate(gathers):
         order = node_order(graph)
