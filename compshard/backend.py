@@ -34,6 +34,7 @@ class CompiledGraph:
         self.kind = kind
         self.gm = gm
         self.notes = ctx.notes
+        self.shared = ctx.shared
 
 
 def _rank() -> int:

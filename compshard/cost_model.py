@@ -7,7 +7,7 @@ memory bandwidth for nodes that do no FLOPs (copies, elementwise).
 
 Calibration: once per process group, when ``compshard.shard`` first uses the group (every
 rank calls it at the same point, outside any compilation): a few timed all-gathers of two
-sizes (alpha, beta) and a timed matmul (FLOP rate). Every rank takes the slowest rank's
+sizes (alpha, beta), a timed matmul (FLOP rate) and a timed tiny op (per-node cost). Every rank takes the slowest rank's
 figures (all-reduce MAX), so all ranks decide from the same numbers and build the same
 schedule; compiling issues no calibration collective. Without a process group (or
 before calibration) defaults are used. The constants are plain data (:class:`Costs`).
@@ -75,13 +75,15 @@ def calibrate(group_name: str, device: torch.device) -> Costs:
 
         matmul()
         t_matmul = _median_seconds(matmul, 5)
-        measured = torch.tensor([t_small, t_large, t_matmul], dtype=torch.float64, device=device)
+        one = torch.ones(8, device=device)
+        t_op = _median_seconds(lambda: [torch.ops.aten.add.Tensor(one, one) for _ in range(100)], 5) / 100
+        measured = torch.tensor([t_small, t_large, t_matmul, t_op], dtype=torch.float64, device=device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-        t_small, t_large, t_matmul = measured.tolist()
+        t_small, t_large, t_matmul, t_op = measured.tolist()
     gathered_small, gathered_large = small.nbytes * world_size, large.nbytes * world_size
     beta = max((t_large - t_small) / (gathered_large - gathered_small), 1e-13)
     alpha = max(t_small - beta * gathered_small, 1e-7)
-    costs = Costs(alpha=alpha, beta=beta, flops_per_second=2 * 256**3 / max(t_matmul, 1e-9))
+    costs = Costs(alpha=alpha, beta=beta, flops_per_second=2 * 256**3 / max(t_matmul, 1e-9), node_overhead=t_op)
     _calibrated[group_name] = costs
     return costs
 

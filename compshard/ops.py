@@ -13,8 +13,9 @@
 ``reduce_scatter_copy_out``
     The pack/unpack work around one bucket's collective, lowered to
     :mod:`compshard.kernels` (one Triton launch per bucket on CUDA, the torch reference
-    on CPU). Only the backend inserts them. Unpacked tensors are flat; the graph views
-    them to their shapes.
+    on CPU). Only the backend inserts them. A bucket's parameters are unpacked into one
+    flat tensor (one allocation, one free) that the graph views; gradients into one flat
+    tensor each.
 
 Eagerly the ops communicate for real (so an uncompiled or graph-broken module trains
 correctly, one blocking collective per access); in a compiled graph they are markers that
@@ -209,15 +210,18 @@ def _(shards, shard_numels, dtype):
 @torch.library.custom_op("compshard::all_gather_copy_out", mutates_args=())
 def all_gather_copy_out(
     gathered: torch.Tensor, shard_numels: list[int], numels: list[int], world_size: int
-) -> list[torch.Tensor]:
-    outputs = [gathered.new_empty(n) for n in numels]  # separate storages: each is freed on its own
+) -> torch.Tensor:
+    """The bucket's parameters back to back in one flat tensor (the graph views them)."""
+    flat = gathered.new_empty(sum(numels))
+    outputs = list(flat.split(numels))
     copy_out = _kernel("all_gather_copy_out", [gathered.dtype])
-    return copy_out(gathered, shard_numels, [(n,) for n in numels], world_size, out=outputs)
+    copy_out(gathered, shard_numels, [(n,) for n in numels], world_size, out=outputs)
+    return flat
 
 
 @all_gather_copy_out.register_fake
 def _(gathered, shard_numels, numels, world_size):
-    return [gathered.new_empty(n) for n in numels]
+    return gathered.new_empty(sum(numels))
 
 
 @torch.library.custom_op("compshard::reduce_scatter_copy_in", mutates_args=())

@@ -2,13 +2,20 @@
 
 The report lists, per graph (forward, backward), every scheduled node (collective starts,
 waits, frees, and the pack/unpack work around each collective) with the runs of compute
-between them folded into one row, the bytes each moves and the estimated bytes live after
-it (storages the graph allocated, not its inputs).
+between them folded into one row: the bytes each moves, its estimated time, the bytes of
+collectives in flight and the estimated bytes live after it (storages the graph
+allocated, not its inputs); then the buckets with their prefetch distances, and the
+estimated compute, communication and exposed communication per graph.
+``Report.save_trace`` writes the estimated timeline (and the measured profiler events,
+with ``inspect(..., profile=True)``) as a Chrome / Perfetto trace.
 """
 
 from __future__ import annotations
 
 import functools
+import json
+import os
+import tempfile
 from typing import Any
 
 import torch
@@ -17,8 +24,10 @@ from torch import fx, nn
 
 from compshard import backend
 from compshard.options import CompileOptions
+from compshard.passes.estimate_costs import SECONDS
 from compshard.passes.estimate_memory import LIVE_BYTES
 from compshard.passes.fx_utils import META_KEY
+from compshard.timeline import Timeline, simulate
 
 __all__ = ["Report", "inspect"]
 
@@ -36,16 +45,28 @@ class Report:
         graphs: graph kind ("forward", "backward" or "inference") -> scheduled GraphModule.
         collectives: one dict per collective start or free, in graph order, with keys
             ``graph``, ``kind``, ``unit``, ``bytes``, ``params``, ``node``, ``bucket``
-            and, for frees, ``of`` (``"bucket"``: the gathered buffer, ``"param"``: one
-            unpacked parameter).
+            and, for frees, ``of`` (``"buffer"``: the all-gather output, ``"params"``: the
+            bucket's unpacked parameters).
+        buckets: one dict per bucket: ``name``, ``params``, ``bytes`` (gathered),
+            ``keep_gathered`` and ``prefetch`` (graph kind -> how many buckets ahead its
+            all-gather starts).
+        timelines: graph kind -> estimated :class:`~compshard.timeline.Timeline`.
         fingerprints: graph kind -> schedule fingerprint (the same on every rank).
         peak_bytes: graph kind -> estimated peak bytes the graph allocates.
     """
 
-    def __init__(self, compiled: list[backend.CompiledGraph]) -> None:
+    def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None) -> None:
         self.graphs: dict[str, fx.GraphModule] = {g.kind: g.gm for g in compiled}
         self.fingerprints = {g.kind: g.notes["fingerprint"] for g in compiled}
         self.peak_bytes = {g.kind: g.notes["peak_bytes"] for g in compiled}
+        self.timelines: dict[str, Timeline] = {kind: simulate(gm.graph) for kind, gm in self.graphs.items()}
+        self.measured_trace = measured_trace
+        distances = {g.kind: g.notes.get("prefetch", {}) for g in compiled}
+        self.buckets = [
+            {"name": b.name, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered,
+             "prefetch": {kind: d[b.name] for kind, d in distances.items() if b.name in d}}
+            for b in compiled[0].shared.get("buckets", [])
+        ]
         self.collectives = [
             {"graph": kind, "kind": meta["kind"], "unit": meta["unit"], "bytes": meta["bytes"],
              "params": meta["params"], "node": node.name, "bucket": meta.get("bucket"), "of": meta.get("of")}
@@ -58,44 +79,81 @@ class Report:
         """Table rows: scheduled nodes one each; compute and pack/unpack runs folded."""
         rows: list[dict[str, Any]] = []
         for kind, gm in self.graphs.items():
+            inflight = self.timelines[kind].inflight_after
             for node in gm.graph.nodes:
                 if node.op != "call_function":
                     continue
                 meta = node.meta.get(META_KEY)
                 row_kind = meta["kind"] if meta else "compute"
-                nbytes = meta["bytes"] if meta else 0
                 last = rows[-1] if rows else None
                 foldable = row_kind in ("compute", "pack", "unpack")
                 if foldable and last and last["graph"] == kind and last["kind"] == row_kind and (
-                    row_kind == "compute" or last["unit"] == meta["unit"]
+                    row_kind == "compute" or last["bucket"] == meta.get("bucket", meta["unit"])
                 ):
                     last["ops"] += 1
-                    last["bytes"] += nbytes
+                    last["bytes"] += meta["bytes"] if meta else 0
+                    last["seconds"] += node.meta.get(SECONDS, 0.0)
+                    last["in flight"] = inflight.get(node, 0)
                     last["live after"] = node.meta.get(LIVE_BYTES, 0)
                     continue
                 rows.append({
                     "graph": kind,
                     "node": node.name,
                     "kind": row_kind,
-                    "unit": meta["unit"] if meta else "",
+                    "bucket": (meta.get("bucket", meta["unit"]) if meta else ""),
                     "ops": 1,
-                    "bytes": nbytes,
+                    "bytes": meta["bytes"] if meta else 0,
+                    "seconds": node.meta.get(SECONDS, 0.0),
+                    "in flight": inflight.get(node, 0),
                     "live after": node.meta.get(LIVE_BYTES, 0),
                 })
         return rows
 
     def __str__(self) -> str:
         table = [
-            [r["graph"], r["node"] + (f" (+{r['ops'] - 1} ops)" if r["ops"] > 1 else ""), r["kind"], r["unit"],
-             _mib(r["bytes"]) if r["bytes"] else "", _mib(r["live after"])]
+            [r["graph"], r["node"] + (f" (+{r['ops'] - 1} ops)" if r["ops"] > 1 else ""), r["kind"], r["bucket"],
+             _mib(r["bytes"]) if r["bytes"] else "", f"{r['seconds'] * 1e3:.3f}" if r["seconds"] else "",
+             _mib(r["in flight"]) if r["in flight"] else "", _mib(r["live after"])]
             for r in self.rows()
         ]
-        summary = ", ".join(
-            f"{kind}: peak {_mib(self.peak_bytes[kind])}, fingerprint {self.fingerprints[kind]}" for kind in self.graphs
-        )
-        return tabulate(table, headers=["graph", "node", "kind", "unit", "bytes", "live after"]) + "\n" + summary
+        headers = ["graph", "node", "kind", "bucket / unit", "bytes", "est ms", "in flight", "live after"]
+        buckets = [
+            [b["name"], len(b["params"]), _mib(b["bytes"]), "yes" if b["keep_gathered"] else "no",
+             ", ".join(f"{kind} {d}" for kind, d in b["prefetch"].items())]
+            for b in self.buckets
+        ]
+        summary = [
+            [kind, f"{t.total * 1e3:.3f}", f"{(t.total - t.exposed_comm) * 1e3:.3f}", f"{t.comm * 1e3:.3f}",
+             f"{t.exposed_comm * 1e3:.3f}", _mib(self.peak_bytes[kind]), self.fingerprints[kind]]
+            for kind, t in self.timelines.items()
+        ]
+        return "\n\n".join([
+            tabulate(table, headers=headers),
+            tabulate(buckets, headers=["bucket", "params", "gathered", "kept fw->bw", "prefetch (buckets ahead)"])
+            if buckets else "no buckets (one rank: nothing to gather)",
+            tabulate(summary, headers=["graph", "est ms", "compute ms", "comm ms", "exposed comm ms", "peak live",
+                                       "fingerprint"]),
+        ])
 
     __repr__ = __str__
+
+    def save_trace(self, path: str | os.PathLike) -> None:
+        """Write a Chrome / Perfetto trace: the estimated timeline of each graph (process
+        "estimated", one thread per stream), plus the measured profiler events when the
+        report was made with ``inspect(..., profile=True)``."""
+        events: list[dict] = []
+        offset = 0.0
+        for pid, (kind, timeline) in enumerate(self.timelines.items()):
+            for span in timeline.spans:
+                events.append({"name": span.name, "cat": span.kind, "ph": "X", "pid": f"estimated {kind}",
+                               "tid": span.stream, "ts": (offset + span.start) * 1e6,
+                               "dur": (span.end - span.start) * 1e6})
+            offset += timeline.total
+        if self.measured_trace:
+            events.extend(dict(event, pid=f"measured {event.get('pid', '')}")
+                          for event in self.measured_trace.get("traceEvents", []))
+        with open(path, "w") as file:
+            json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, file)
 
 
 def _backward_target(output: Any) -> torch.Tensor | None:
@@ -104,14 +162,38 @@ def _backward_target(output: Any) -> torch.Tensor | None:
     return sum(t.float().sum() for t in leaves) if leaves else None
 
 
-def inspect(module: nn.Module, *args: Any, options: dict | None = None, **kwargs: Any) -> Report:
+def _measured_step(compiled: nn.Module, args: tuple, kwargs: dict, profile: bool) -> dict | None:
+    """Compile and run one forward (and backward); with ``profile``, under the profiler
+    (the compile happens first, unprofiled) and return its Chrome trace."""
+
+    def step() -> None:
+        target = _backward_target(compiled(*args, **kwargs))
+        if target is not None:
+            target.backward()
+
+    step()
+    if not profile:
+        return None
+    with torch.profiler.profile() as prof:
+        step()
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as file:
+            return json.load(file)
+
+
+def inspect(module: nn.Module, *args: Any, options: dict | None = None, profile: bool = False,
+            **kwargs: Any) -> Report:
     """Compile ``module`` with the compshard backend for these inputs; return the schedule.
 
     Runs one forward (and, when the output requires grad, one backward of the sum of its
-    floating outputs) so that both graphs are compiled. Collective: call it on every rank.
-    Parameter ``.grad`` values are restored afterwards; the optimizer is not touched.
-    ``options`` are the backend options (as for ``torch.compile``); every other keyword
-    argument goes to the module.
+    floating outputs) so that both graphs are compiled; with ``profile`` one more, under
+    ``torch.profiler``, whose events ``Report.save_trace`` includes. Collective: call it
+    on every rank. Parameter ``.grad`` values are restored afterwards; the optimizer is
+    not touched. ``options`` are the backend options (as for ``torch.compile``);
+    ``options`` and ``profile`` are taken by inspect, every other keyword argument goes
+    to the module.
     """
     CompileOptions.from_dict(options)  # a bad option is a ValueError here, not a compile failure
     params = list(module.parameters())
@@ -123,13 +205,11 @@ def inspect(module: nn.Module, *args: Any, options: dict | None = None, **kwargs
     try:
         # A backend object of its own: Dynamo must compile anew, not reuse a cached graph.
         compiled = torch.compile(module, backend=functools.partial(backend.compshard_backend, options=options))
-        target = _backward_target(compiled(*args, **kwargs))
-        if target is not None:
-            target.backward()
+        measured = _measured_step(compiled, args, kwargs, profile)
     finally:
         backend._capture = previous
         for param, grad in zip(params, saved_grads):
             param.grad = grad
     if not captured:
         raise RuntimeError("compshard.inspect: nothing was compiled (the module ran no graph for these inputs)")
-    return Report(captured)
+    return Report(captured, measured)

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=60)
+PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 
 
 def _entry(rank: int, worker: Callable, world_size: int, out_dir: str, args: tuple) -> None:

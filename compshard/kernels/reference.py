@@ -74,14 +74,19 @@ def reduce_scatter_copy_in_reference(
     """Rank-major ``world_size * S`` buffer; segment (r, i) = grads[i].flat[r*L[i] : (r+1)*L[i]]."""
     layout = _layout(tuple(shard_numels))
     device = grads[0].device if len(grads) else None
-    buffer = torch.zeros(world_size, layout.total, dtype=dtype, device=device)
+    buffer = torch.empty(world_size, layout.total, dtype=dtype, device=device)
     for grad, off, length in zip(grads, layout.offsets, shard_numels):
         flat = grad.reshape(-1).to(dtype)
         if divide_by is not None:
             flat = flat / float(divide_by)
-        padded = torch.zeros(world_size * length, dtype=dtype, device=device)
-        padded[: flat.numel()] = flat
-        buffer[:, off : off + length] = padded.view(world_size, length)
+        region = buffer[:, off : off + length]  # rank r's segment of this gradient is row r
+        rows = flat.numel() // length if length else world_size
+        region[:rows].copy_(flat[: rows * length].view(rows, length))
+        if rows < world_size:  # one partial row, then zero padding
+            rest = flat.numel() - rows * length
+            region[rows, :rest].copy_(flat[rows * length :])
+            region[rows, rest:].zero_()
+            region[rows + 1 :].zero_()
     return buffer.view(-1)
 
 

@@ -1,7 +1,7 @@
-"""Forward/backward pass: free each gathered buffer and parameter right after its last use.
+"""Forward/backward pass: free each gathered buffer and bucket right after its last use.
 
-Before: gathered values (nodes marked ``gathered``: a bucket's all-gather output and each
-parameter unpacked from it) live until Python drops the last reference.
+Before: gathered values (nodes marked ``gathered``: a bucket's all-gather output and the
+flat tensor its parameters are unpacked into) live until Python drops the last reference.
 After: a ``compshard::free(value)`` node directly after the last user of any alias of
 each one, releasing its storage at that point even if something else still holds a
 reference. A value with an alias among the graph outputs is left alone: it is saved for
@@ -41,6 +41,6 @@ def insert_free(gm: fx.GraphModule, ctx: PassContext) -> None:
         last = max(users, key=order.__getitem__)
         meta = buffer.meta[META_KEY]
         with graph.inserting_after(last):
-            of = "bucket" if meta["kind"] == "wait" else "param"
+            of = "buffer" if meta["kind"] == "wait" else "params"
             emit(graph, compshard_ops.free.default, (buffer,),
                  meta={**schedule_meta("free", meta["params"], meta["bytes"], meta["collective"]), "of": of})

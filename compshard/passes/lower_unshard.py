@@ -7,8 +7,10 @@ re-gathers only those it needs), at the first member's place: a ``pack`` node
 (``compshard::all_gather_copy_in``: flatten, cast, zero-pad and concatenate the shards)
 and the ``all_gather_into_tensor`` start; just before the first use of any member: the
 ``wait_tensor`` and ``unpack`` nodes (``compshard::all_gather_copy_out`` into one flat
-tensor per parameter, then a view to its shape). Gathered buffers and unpacked
-parameters carry ``meta["compshard"]["gathered"] = True`` for the free pass. A later pass
+tensor holding the bucket's parameters back to back, then a slice and view per
+parameter). The gathered buffer and the unpacked tensor carry
+``meta["compshard"]["gathered"] = True`` for the free pass: each bucket costs two frees,
+and its parameters are released together after the last use of any of them. A later pass
 may move pack and start earlier (prefetch); the wait stays before first use.
 
 World size 1 and replicated (0-d) parameters need no collective: ``full`` is a view of
@@ -16,8 +18,6 @@ the (cast) shard, and nothing is inserted for them to free.
 """
 
 from __future__ import annotations
-
-import operator
 
 import torch
 from torch import fx
@@ -73,15 +73,16 @@ def _lower_bucket(graph: fx.Graph, bucket, members: list[fx.Node], label: str) -
     first_use = min((u for m in members for u in m.users), key=order.__getitem__)
     with graph.inserting_before(first_use):
         buffer = emit(graph, c10d.wait_tensor.default, (start,), meta=meta("wait", names, gathered_bytes, gathered=True))
-        unpacked = emit(graph, compshard_ops.all_gather_copy_out.default,
-                        (buffer, shard_numels, [layout.numel for layout in layouts], world_size),
-                        meta=meta("unpack", names, sum(layout.numel for layout in layouts) * dtype.itemsize))
-        for i, (member, layout) in enumerate(zip(members, layouts)):
-            flat = emit(graph, operator.getitem, (unpacked, i),
-                        meta=meta("unpack", [names[i]], layout.numel * dtype.itemsize, gathered=True))
-            full = emit(graph, aten.view.default, (flat, list(layout.full_shape)), meta=meta("unpack", [names[i]], 0))
+        numels = [layout.numel for layout in layouts]
+        unpacked = emit(graph, compshard_ops.all_gather_copy_out.default, (buffer, shard_numels, numels, world_size),
+                        meta=meta("unpack", names, sum(numels) * dtype.itemsize, gathered=True))
+        offset = 0
+        for member, layout, name in zip(members, layouts, names):
+            flat = emit(graph, aten.slice.Tensor, (unpacked, 0, offset, offset + layout.numel), meta=meta("unpack", [name], 0))
+            full = emit(graph, aten.view.default, (flat, list(layout.full_shape)), meta=meta("unpack", [name], 0))
             member.replace_all_uses_with(full)
             graph.erase_node(member)
+            offset += layout.numel
 
 
 def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> None:

@@ -22,7 +22,7 @@ from torch import fx
 
 from compshard.passes.context import PassContext
 from compshard.passes.estimate_costs import SECONDS
-from compshard.passes.fx_utils import META_KEY, hoist_before, node_order, schedule_kind
+from compshard.passes.fx_utils import META_KEY, hoist_before, is_view, node_order, schedule_kind
 
 MB = 2**20
 
@@ -97,7 +97,7 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
         moving = gather["pack"] + [gather["start"]]
         cursor = after(d)
         placed = {n for g in gathers[:i] for n in g["pack"] + [g["start"]]}
-        while cursor.next in placed:  # keep issue order = order of use
+        while cursor.next in placed or is_view(cursor.next):  # keep issue order = order of use
             cursor = cursor.next
         for node in moving:
             cursor.append(node)

@@ -1,0 +1,65 @@
+"""Estimated timeline of a scheduled graph: one compute stream, one communication stream.
+
+Compute nodes run one after another for their estimated seconds; a collective start
+queues its collective on the communication stream (first in, first out, each for its
+``alpha + bytes * beta``); a wait holds the compute stream until its collective ends.
+The time compute spends held is the exposed communication. Estimates come from the
+nodes' ``compshard_seconds`` (see the ``estimate_costs`` pass).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from torch import fx
+
+from compshard.passes.estimate_costs import COLLECTIVES, SECONDS
+from compshard.passes.fx_utils import META_KEY
+
+
+@dataclass
+class Span:
+    name: str
+    stream: str  # "compute" or "comm"
+    start: float
+    end: float
+    kind: str
+
+
+@dataclass
+class Timeline:
+    spans: list[Span] = field(default_factory=list)
+    total: float = 0.0
+    exposed_comm: float = 0.0
+    comm: float = 0.0
+    inflight_after: dict[fx.Node, int] = field(default_factory=dict)  # bytes started, not waited
+
+
+def simulate(graph: fx.Graph) -> Timeline:
+    timeline = Timeline()
+    now = comm_free = 0.0
+    ends: dict[fx.Node, float] = {}
+    inflight: dict[fx.Node, int] = {}
+    for node in graph.nodes:
+        meta = node.meta.get(META_KEY) or {}
+        kind = meta.get("kind", "compute")
+        seconds = node.meta.get(SECONDS, 0.0)
+        if kind in COLLECTIVES:
+            begin = max(now, comm_free)
+            comm_free = ends[node] = begin + seconds
+            timeline.spans.append(Span(node.name, "comm", begin, comm_free, kind))
+            timeline.comm += seconds
+            inflight[node] = meta["bytes"]
+        elif kind == "wait":
+            ready = ends.get(node.args[0], now)
+            if ready > now:
+                timeline.spans.append(Span(node.name, "compute", now, ready, "wait"))
+                timeline.exposed_comm += ready - now
+                now = ready
+            inflight.pop(node.args[0], None)
+        elif node.op == "call_function" and seconds:
+            timeline.spans.append(Span(node.name, "compute", now, now + seconds, kind))
+            now += seconds
+        timeline.inflight_after[node] = sum(inflight.values())
+    timeline.total = max(now, comm_free)
+    return timeline
