@@ -7,6 +7,9 @@ Each world size spawns once (module-scoped fixtures); the tests read its results
 from __future__ import annotations
 
 import copy
+import json
+import os
+import tempfile
 
 import pytest
 import torch
@@ -163,7 +166,18 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     results = {}
     model, batch = make_model("gpt")
     local = tuple(t.chunk(world_size)[rank] for t in batch)
-    results["reshard"] = _schedule_facts(compshard.inspect(compshard.shard(copy.deepcopy(model)), *local))
+    report = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, profile=True)
+    results["reshard"] = _schedule_facts(report)
+    with tempfile.TemporaryDirectory() as folder:
+        report.save_trace(os.path.join(folder, "trace.json"))
+        with open(os.path.join(folder, "trace.json")) as file:
+            events = json.load(file)["traceEvents"]
+    results["trace"] = {
+        "estimated": sorted({(e["pid"], e["tid"]) for e in events if e["pid"].startswith("estimated")}),
+        "measured": sum(1 for e in events if e["pid"].startswith("measured")),
+        "buckets": report.buckets,
+        "exposed": {kind: t.exposed_comm for kind, t in report.timelines.items()},
+    }
     torch._dynamo.reset()
     kept = compshard.shard(copy.deepcopy(model), reshard_after_forward=False)
     results["keep"] = _schedule_facts(compshard.inspect(kept, *local))
@@ -239,10 +253,21 @@ def test_every_rank_builds_the_same_schedule(schedule_results):
 
 def test_report_table_lists_the_schedule(schedule_results):
     table = schedule_results[0]["reshard"]["table"]
-    for column in ("graph", "node", "kind", "unit", "bytes", "live after"):
+    for column in ("graph", "node", "kind", "bucket / unit", "bytes", "est ms", "in flight", "live after",
+                   "prefetch (buckets ahead)", "exposed comm ms"):
         assert column in table
-    for kind in ("all_gather", "wait", "free", "reduce_scatter"):
+    for kind in ("all_gather", "wait", "free", "reduce_scatter", "pack", "unpack"):
         assert kind in table
+
+
+def test_report_buckets_and_trace(schedule_results):
+    trace = schedule_results[0]["trace"]
+    assert [b["name"] for b in trace["buckets"]] == ["rest.0", "blocks.0", "blocks.1", "rest.1"]
+    assert all(set(b["prefetch"]) == {"forward", "backward"} for b in trace["buckets"][1:3])
+    assert all(d >= 0 for b in trace["buckets"] for d in b["prefetch"].values())
+    assert ("estimated forward", "comm") in trace["estimated"] and ("estimated backward", "compute") in trace["estimated"]
+    assert trace["measured"] > 0  # profile=True adds the profiler's events
+    assert all(seconds >= 0 for seconds in trace["exposed"].values())
 
 
 @pytest.mark.parametrize("variant", list(OPTION_VARIANTS))
