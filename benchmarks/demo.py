@@ -45,6 +45,7 @@ def main() -> None:
     if rank == 0:
         print(tabulate(rows, headers=["system", "final loss", "median step ms", "tokens/s",
                                       "peak MiB/rank", "params+grads+optim MiB/rank"]))
+    dist.barrier()  # no rank tears the group down while another still uses it
     dist.destroy_process_group()
 
 

@@ -13,17 +13,18 @@ counted in original non-view compute nodes) with rank-independent facts only: lo
 shapes differ between ranks (a rank may hold no rows), and with them the views around
 the shards, so views do not count. With
 ``check_schedule`` (default) the sequences are all-gathered across the ranks at compile
-time; a difference raises ``ScheduleError`` naming the first differing node on every
-rank, instead of a hang at run time.
+time (through the c10d store); a difference raises ``ScheduleError`` naming the first
+differing node on every rank, instead of a hang at run time.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
+import pickle
 
 import torch.distributed as dist
 from torch import fx
-from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import META_KEY, aliases, c10d, is_op, is_view, node_order, schedule_kind
@@ -100,15 +101,36 @@ def _group_of(graph: fx.Graph) -> str | None:
     return None
 
 
+STORE_TIMEOUT = datetime.timedelta(seconds=300)
+_compiles: dict[str, int] = {}  # per process group: schedules compared so far (the same on every rank)
+
+
 def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContext) -> None:
+    """Exchange the schedules through the process group's c10d store, not a collective:
+    compiling runs under dispatch modes and locks with which a gloo collective can
+    deadlock, while store reads and writes cannot. A rank that never publishes a
+    matching schedule is an error after ``STORE_TIMEOUT``, not a hang."""
     from compshard.ops import resolve_group
 
     group = resolve_group(group_name)
-    everyone: list = [None] * dist.get_world_size(group)
-    with unset_fake_temporarily():  # compilers run under AOTAutograd's fake mode
-        dist.all_gather_object(everyone, entries, group=group)
-    reference = everyone[0]
-    for rank, other in enumerate(everyone):
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    sequence = _compiles[group_name] = _compiles.get(group_name, 0) + 1
+    store = dist.PrefixStore(f"compshard/{group_name}/{sequence}/", dist.distributed_c10d._get_default_store())
+    store.set(str(rank), pickle.dumps((ctx.graph, entries)))
+    keys = [str(r) for r in range(world_size)]
+    try:
+        store.wait(keys, STORE_TIMEOUT)
+    except Exception as error:  # noqa: BLE001 - re-raised with what it means here
+        raise ScheduleError(
+            f"compshard: rank {rank} compiled a {ctx.graph} schedule (#{sequence} on this process group) that "
+            f"some rank did not compile within {STORE_TIMEOUT}: every rank must compile the same graphs"
+        ) from error
+    everyone = [pickle.loads(store.get(key)) for key in keys]
+    reference = everyone[0][1]
+    for other_rank, (graph, other) in enumerate(everyone):
+        if graph != ctx.graph:
+            raise ScheduleError(f"compshard: schedule #{sequence}: rank 0 compiled a {everyone[0][0]} graph, "
+                                f"rank {other_rank} a {graph} graph")
         if other == reference:
             continue
         index = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
@@ -116,7 +138,7 @@ def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContex
         ours = reference[index] if index < len(reference) else "<end of schedule>"
         raise ScheduleError(
             f"compshard: the {ctx.graph} schedule differs across ranks at scheduled node #{index}: "
-            f"rank 0 has {ours}, rank {rank} has {theirs} (kind, params, bytes, position). "
+            f"rank 0 has {ours}, rank {other_rank} has {theirs} (kind, params, bytes, position). "
             "Every rank must compile the same model with the same options and input shapes."
         )
 

@@ -1,0 +1,326 @@
+"""Training-step benchmark: compshard against eager FSDP2, FSDP2 + torch.compile and DDP.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --systems compshard,fsdp2 --steps 3
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --options '{"prefetch": 1}'
+
+In one run, on the same machine, the same GPT (compshard.models; from the same weights)
+is trained on the same global batch by every system in --systems (harness.SYSTEMS,
+harness.train: forward, backward, AdamW step; warm-up steps, where compilation happens,
+are not timed) and by a compute-only run: the same model unsharded and unwrapped, each
+rank training on its own local batch with no communication, so it is the compute lower
+bound under the same CPU/GPU contention as the real runs. --options (JSON) go to the
+compshard backend as compile options.
+
+Per system it reports the median step time (the largest per-rank median) and its ratio
+to eager FSDP2, tokens/s (global batch tokens / median step), the per-rank peak memory
+of a forward + backward (the largest over ranks) and its ratio to FSDP2's, the bytes of
+parameters + gradients + optimizer state per rank, the final loss, and:
+
+- collectives per step and communication alone: the step's collectives (same count,
+  kinds, sizes, order) replayed back to back on the live process group with no compute;
+  the time is the median of --comm-repeats replays (after one untimed), the largest over
+  ranks. Where the collectives come from:
+    compshard: compshard.inspect on a freshly sharded copy (its report's all-gathers,
+      reduce-scatters and all-reduces).
+    FSDP2 (eager and compiled alike): from the fully_shard units of a freshly wrapped
+      copy: one all-gather per unit in forward, one more in backward for every unit
+      resharded after forward (all but the root), one reduce-scatter per unit; sizes are
+      the unit's parameters, each padded on dim 0 to a multiple of the world size.
+    DDP: an approximation, one all-reduce per gradient bucket, the gradients taken in
+      reverse parameter order into DDP's default buckets (first 1 MiB, then 25 MiB);
+      DDP really rebuilds its buckets in the order gradients become ready.
+- lower bound = max(compute-only, communication alone): the step time if compute and
+  communication overlapped perfectly.
+- exposed communication = median step - compute-only (at least 0).
+
+Everything runs in fp32 (also on a GPU, where NCCL is used). A table is printed on rank
+0 and a JSON file (--out) holds the configuration, the command, torch version, device,
+world size and every number, raw step and replay times included.
+
+Caveats: on CPU, 2 processes on 2 cores contend with each other (and gloo's threads)
+for the cores, so compute and communication cannot really overlap; the compute-only run
+suffers the same contention, which is why it is measured rather than taken from one
+process. FSDP2 + compile's compilation (Inductor's C++ backend on CPU, a minute or more)
+happens in the warm-up steps and is not counted. The compute-only losses drift from the
+others after the first step (no gradient averaging across ranks).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import math
+import os
+import platform
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+import compshard
+from compshard.models import GPTConfig
+from harness import SYSTEMS, Result, init_distributed, make_workload, mib, progress, train, wrap_fsdp2
+
+COMPUTE_ONLY = "compute-only"
+DDP_BUCKET_BYTES = (1 << 20, 25 << 20)  # DDP's first bucket, then bucket_cap_mb=25
+REPLAY_DTYPE = torch.float32
+# all_gather_single / reduce_scatter_single replace the *_tensor names in newer torch.
+ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One collective of a step: ``nbytes`` is the full buffer (gathered output of an
+    all-gather, input of a reduce-scatter, the tensor of an all-reduce)."""
+
+    kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
+    nbytes: int
+
+
+# ------------------------------------------------------------- collectives per system
+
+
+def compshard_collectives(reference: nn.Module, batch: tuple[torch.Tensor, ...], options: dict) -> list[Collective]:
+    """The collectives compshard schedules for one step, from ``compshard.inspect``."""
+    model = compshard.shard(copy.deepcopy(reference).to(batch[0].device))
+    report = compshard.inspect(model, *batch, options=options)
+    torch._dynamo.reset()
+    return [Collective(c["kind"], c["bytes"]) for c in report.collectives if c["kind"] != "free"]
+
+
+def fsdp2_collectives(reference: nn.Module, device: torch.device, world_size: int) -> list[Collective]:
+    """FSDP2's collectives for one step, derived from the units harness.wrap_fsdp2 makes."""
+    model = copy.deepcopy(reference).to(device)
+    wrap_fsdp2(model)
+    units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # pre-order: root first
+    owned: dict[int, int] = {}  # parameter id -> index of the innermost unit holding it
+    for index, unit in enumerate(units):
+        for param in unit.parameters():
+            owned[id(param)] = index
+    sizes = [0] * len(units)
+    for param in {id(p): p for p in model.parameters()}.values():
+        rows = param.shape[0] if param.dim() else 1
+        padded = math.ceil(rows / world_size) * world_size * (param.numel() // max(rows, 1))
+        sizes[owned[id(param)]] += padded * param.element_size()
+    root, inner = sizes[0], sizes[1:]  # the root is not resharded after forward
+    forward = [Collective("all_gather", n) for n in (root, *inner)]
+    backward = [c for n in reversed(inner) for c in (Collective("all_gather", n), Collective("reduce_scatter", n))]
+    return forward + backward + [Collective("reduce_scatter", root)]
+
+
+def ddp_collectives(reference: nn.Module) -> list[Collective]:
+    """Approximate DDP all-reduces: gradients in reverse parameter order, into buckets
+    that close once they reach 1 MiB (the first) or 25 MiB (the rest)."""
+    buckets, size = [], 0
+    for param in reversed(list(reference.parameters())):
+        size += param.numel() * param.element_size()
+        if size >= DDP_BUCKET_BYTES[min(len(buckets), 1)]:
+            buckets.append(size)
+            size = 0
+    if size:
+        buckets.append(size)
+    return [Collective("all_reduce", n) for n in buckets]
+
+
+def step_collectives(
+    system: str, reference: nn.Module, batch: tuple[torch.Tensor, ...], options: dict, world_size: int,
+) -> list[Collective]:
+    """The collectives one training step of ``system`` issues."""
+    if system == "compshard":
+        return compshard_collectives(reference, batch, options)
+    if system in ("fsdp2", "fsdp2+compile"):
+        return fsdp2_collectives(reference, batch[0].device, world_size)
+    if system == "ddp":
+        return ddp_collectives(reference)
+    raise ValueError(f"no collective derivation for system {system!r}")
+
+
+def replay_seconds(collectives: list[Collective], device: torch.device, repeats: int) -> list[float]:
+    """Seconds per replay of ``collectives``, one after another, on the default group."""
+    world_size = dist.get_world_size()
+    element = torch.tensor([], dtype=REPLAY_DTYPE).element_size()
+    numels = [math.ceil(c.nbytes / element / world_size) * world_size for c in collectives]
+    full = torch.zeros(max(numels, default=0), dtype=REPLAY_DTYPE, device=device)
+    shard = torch.zeros(full.numel() // world_size, dtype=REPLAY_DTYPE, device=device)
+
+    def replay() -> None:
+        for collective, numel in zip(collectives, numels):
+            if collective.kind == "all_gather":
+                ALL_GATHER(full[:numel], shard[: numel // world_size])
+            elif collective.kind == "reduce_scatter":
+                REDUCE_SCATTER(shard[: numel // world_size], full[:numel])
+            elif collective.kind == "all_reduce":
+                dist.all_reduce(full[:numel])
+            else:
+                raise ValueError(f"cannot replay a collective of kind {collective.kind!r}")
+
+    times = []
+    for index in range(repeats + 1):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        replay()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        if index:
+            times.append(time.perf_counter() - start)
+    return times
+
+
+# ---------------------------------------------------------------------------- report
+
+
+def summarize(rows: dict[str, dict], tokens: int) -> list[list]:
+    """Add the derived numbers to every row (in place); return the table."""
+    compute = rows[COMPUTE_ONLY]["median_step_seconds"]
+    fsdp2 = rows.get("fsdp2")
+
+    def vs_fsdp2(row: dict, key: str) -> float | None:
+        return row[key] / fsdp2[key] if fsdp2 else None
+
+    table = []
+    for name, row in rows.items():
+        step = row["median_step_seconds"]
+        row.update(
+            step_vs_fsdp2=vs_fsdp2(row, "median_step_seconds"),
+            tokens_per_second=tokens / step,
+            peak_vs_fsdp2=vs_fsdp2(row, "peak_bytes"),
+            lower_bound_seconds=max(compute, row["comm_seconds"]),
+            exposed_comm_seconds=max(0.0, step - compute),
+        )
+        table.append([
+            name, f"{row['losses'][-1]:.4f}", f"{step * 1e3:.1f}",
+            "-" if row["step_vs_fsdp2"] is None else f"{row['step_vs_fsdp2']:.2f}",
+            f"{row['tokens_per_second']:,.0f}", mib(row["peak_bytes"]),
+            "-" if row["peak_vs_fsdp2"] is None else f"{row['peak_vs_fsdp2']:.2f}",
+            mib(row["state_bytes"]), len(row["collectives"]), f"{row['comm_seconds'] * 1e3:.1f}",
+            f"{row['lower_bound_seconds'] * 1e3:.1f}", f"{row['exposed_comm_seconds'] * 1e3:.1f}",
+        ])
+    return table
+
+
+HEADERS = [
+    "system", "final loss", "step ms", "step/fsdp2", "tokens/s", "peak MiB/rank", "peak/fsdp2",
+    "params+grads+optim MiB/rank", "collectives/step", "comm alone ms", "lower bound ms", "exposed comm ms",
+]
+
+
+def gather_row(result: Result, collectives: list[Collective], comm_times: list[float]) -> dict:
+    """This system's numbers from every rank, combined (largest over ranks)."""
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes, result.state_bytes, comm_times))
+    return {
+        "losses": result.losses,
+        "median_step_seconds": max(statistics.median(steps) for steps, *_ in per_rank),
+        "peak_bytes": max(peak for _, peak, _, _ in per_rank),
+        "state_bytes": max(state for _, _, state, _ in per_rank),
+        "collectives": [asdict(c) for c in collectives],
+        "comm_seconds": max((statistics.median(t) for *_, t in per_rank if t), default=0.0),
+        "step_seconds_per_rank": [steps for steps, *_ in per_rank],
+        "comm_seconds_per_rank": [t for *_, t in per_rank],
+    }
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+# ------------------------------------------------------------------------------ main
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--width", type=int, default=128, help="embedding width (n_embd)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--seq", type=int, default=128, help="sequence length (block_size)")
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    parser.add_argument("--comm-repeats", type=int, default=10, help="timed replays of each system's collectives")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {list(SYSTEMS)}")
+    parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "step.json",
+                        help="JSON file to write")
+    args = parser.parse_args()
+    if min(args.steps, args.warmup, args.batch, args.layers, args.comm_repeats) < 1:
+        parser.error("--steps, --warmup, --batch, --layers and --comm-repeats must be at least 1")
+    args.systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in args.systems if s not in SYSTEMS]
+    if unknown or not args.systems:
+        parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+    try:
+        args.options = json.loads(args.options)
+        if not isinstance(args.options, dict):
+            raise ValueError(f"expected a JSON object, got {args.options!r}")
+        compshard.CompileOptions.from_dict(args.options)
+    except ValueError as error:  # a JSONDecodeError is a ValueError
+        parser.error(f"--options: {error}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    rank, world_size, device = init_distributed()
+    if args.batch % world_size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world_size}")
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
+    reference, batch = make_workload(cfg, args.batch, rank, world_size, device)
+    progress(f"GPT {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, {world_size} ranks "
+             f"on {device.type} ({dist.get_backend()}), global batch {args.batch} x {cfg.block_size} tokens")
+    started = time.perf_counter()
+
+    rows: dict[str, dict] = {}
+    progress(f"{COMPUTE_ONLY}:")
+    result = train(COMPUTE_ONLY, lambda model: model, reference, batch, steps=args.steps, warmup=args.warmup, device=device)
+    rows[COMPUTE_ONLY] = gather_row(result, [], [])
+    for system in args.systems:
+        progress(f"{system}:")
+        wrap = functools.partial(SYSTEMS[system], **args.options) if system == "compshard" else SYSTEMS[system]
+        result = train(system, wrap, reference, batch, steps=args.steps, warmup=args.warmup, device=device)
+        collectives = step_collectives(system, reference, batch, args.options, world_size)
+        comm_times = replay_seconds(collectives, device, args.comm_repeats)
+        progress(f"  {system}: {len(collectives)} collectives per step, "
+                 f"alone {statistics.median(comm_times) * 1e3:.1f} ms")
+        rows[system] = gather_row(result, collectives, comm_times)
+
+    table = summarize(rows, args.batch * cfg.block_size)
+    if rank == 0:
+        print(tabulate(table, headers=HEADERS))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "torch": torch.__version__,
+            "device": device_name(device),
+            "backend": dist.get_backend(),
+            "world_size": world_size,
+            "dtype": "fp32",
+            "config": {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+                       "comm_repeats": args.comm_repeats, "systems": args.systems, "options": args.options},
+            "wall_seconds": time.perf_counter() - started,
+            "results": rows,
+        }
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        progress(f"wrote {args.out}")
+    dist.barrier()  # tear down together: rank 0 was still writing
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
