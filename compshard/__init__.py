@@ -15,6 +15,9 @@ from compshard.passes import ScheduleError
 from compshard.report import Report, inspect
 from compshard.sharding import full_state_dict, shard
 
-torch._dynamo.register_backend(compshard_backend, name="compshard")
+# Installed, the backend is known through its entry point and Dynamo registers it when
+# it is first asked for (even when that is this import); from a bare checkout, here.
+if "compshard" not in torch._dynamo.list_backends(exclude_tags=()):
+    torch._dynamo.register_backend(compshard_backend, name="compshard")
 
 __all__ = ["shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError", "compshard_backend"]

@@ -134,3 +134,22 @@ def test_bucket_plan_follows_blocks_patterns_sizes_and_budget():
     bf16 = _Param("blocks.0.half.weight", 100, ("group", 2, torch.bfloat16, None), keep=False)
     split = plan_buckets(params[:4] + [bf16] + params[4:], compshard.CompileOptions())
     assert [(b.name, len(b.params)) for b in split][1:3] == [("blocks.0#0", 2), ("blocks.0#1", 1)]
+
+
+def test_backend_name_works_without_importing_compshard():
+    """Through the torch_dynamo_backends entry point, as after `pip install`."""
+    import subprocess
+    import sys
+    from importlib.metadata import entry_points
+
+    assert "compshard" in entry_points(group="torch_dynamo_backends").names, "compshard is not installed"
+    script = (
+        "import sys, torch\n"
+        "model = torch.nn.Linear(2, 2)\n"
+        "torch.compile(model, backend='compshard')(torch.randn(3, 2)).sum().backward()\n"
+        "assert 'compshard' in sys.modules and model.weight.grad is not None\n"
+        "import compshard\n"  # importing afterwards must not register it twice
+        "print('ok')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/")
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
