@@ -8,7 +8,7 @@ Nodes a pass inserts carry ``meta["compshard"]`` (a :class:`ScheduleMeta` dict).
 from __future__ import annotations
 
 import operator
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import fx
@@ -63,14 +63,6 @@ def aliases(node: fx.Node) -> list[fx.Node]:
                 found.append(user)
                 stack.append(user)
     return found
-
-
-def first_user(nodes: Iterable[fx.Node], order: dict[fx.Node, int]) -> fx.Node:
-    return min((u for n in nodes for u in n.users), key=order.__getitem__)
-
-
-def last_user(nodes: Iterable[fx.Node], order: dict[fx.Node, int]) -> fx.Node:
-    return max((u for n in nodes for u in n.users), key=order.__getitem__)
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
