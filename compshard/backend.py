@@ -13,7 +13,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-import torch
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
@@ -37,11 +36,6 @@ class CompiledGraph:
         self.shared = ctx.shared
 
 
-def _rank() -> int:
-    dist = torch.distributed
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
-
-
 def _executor(gm: fx.GraphModule, example_inputs: Sequence[Any], options: CompileOptions, kind: str) -> Callable:
     if options.codegen == "inductor":
         from torch._inductor.compile_fx import compile_fx_inner
@@ -59,7 +53,7 @@ def _executor(gm: fx.GraphModule, example_inputs: Sequence[Any], options: Compil
 
 def _graph_compiler(kind: str, options: CompileOptions, shared: dict) -> Callable:
     def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        ctx = PassContext(options, kind, rank=_rank(), shared=shared)
+        ctx = PassContext(options, kind, shared=shared)
         run_passes(gm, ctx)
         if _capture is not None:
             _capture.append(CompiledGraph(kind, gm, ctx))
@@ -71,12 +65,12 @@ def _graph_compiler(kind: str, options: CompileOptions, shared: dict) -> Callabl
 def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
     """torch.compile backend entry: ``torch.compile(m, backend="compshard", options=...)``."""
     opts = CompileOptions.from_dict(options)
-    run_passes(gm, PassContext(opts, "dynamo", rank=_rank()))
+    run_passes(gm, PassContext(opts, "dynamo"))
 
     shared: dict = {}  # the bucket plan, made on the joint graph, used by all three graphs
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        run_passes(joint, PassContext(opts, "joint", rank=_rank(), shared=shared))
+        run_passes(joint, PassContext(opts, "joint", shared=shared))
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     decompositions = {}

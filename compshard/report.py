@@ -26,12 +26,12 @@ from compshard import backend
 from compshard.options import CompileOptions
 from compshard.passes.estimate_costs import SECONDS
 from compshard.passes.estimate_memory import LIVE_BYTES
-from compshard.passes.fx_utils import META_KEY
+from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY
 from compshard.timeline import Timeline, simulate
 
 __all__ = ["Report", "inspect"]
 
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce", "free")
+_LISTED_KINDS = (*COLLECTIVE_KINDS, "free")  # what report.collectives holds
 
 
 def _mib(nbytes: int) -> str:
@@ -72,7 +72,7 @@ class Report:
              "params": meta["params"], "node": node.name, "bucket": meta.get("bucket"), "of": meta.get("of")}
             for kind, gm in self.graphs.items()
             for node in gm.graph.nodes
-            if (meta := node.meta.get(META_KEY)) and meta["kind"] in COLLECTIVE_KINDS
+            if (meta := node.meta.get(META_KEY)) and meta["kind"] in _LISTED_KINDS
         ]
 
     def rows(self) -> list[dict[str, Any]]:

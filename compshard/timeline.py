@@ -13,8 +13,8 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from compshard.passes.estimate_costs import COLLECTIVES, SECONDS
-from compshard.passes.fx_utils import META_KEY
+from compshard.passes.estimate_costs import SECONDS
+from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY
 
 
 @dataclass
@@ -44,7 +44,7 @@ def simulate(graph: fx.Graph) -> Timeline:
         meta = node.meta.get(META_KEY) or {}
         kind = meta.get("kind", "compute")
         seconds = node.meta.get(SECONDS, 0.0)
-        if kind in COLLECTIVES:
+        if kind in COLLECTIVE_KINDS:
             begin = max(now, comm_free)
             comm_free = ends[node] = begin + seconds
             timeline.spans.append(Span(node.name, "comm", begin, comm_free, kind))

@@ -159,6 +159,16 @@ def _kept_by_budget(planned: list[tuple[str, list[_Param]]], budget_mb: float | 
     return kept
 
 
+def members_by_bucket(nodes: list[fx.Node], ctx: PassContext) -> list[tuple[Bucket, list[fx.Node]]]:
+    """(bucket, marker nodes) in order of each bucket's first marker in the graph; the
+    parameter name is argument 4 of both ``unshard`` and ``reduce_grad``."""
+    groups: dict[int, tuple[Bucket, list[fx.Node]]] = {}
+    for node in nodes:
+        bucket = ctx.shared["bucket_of"][node.args[4]]
+        groups.setdefault(bucket.index, (bucket, []))[1].append(node)
+    return list(groups.values())
+
+
 def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
     params = []
     for node in gm.graph.nodes:

@@ -27,10 +27,12 @@ import torch.distributed as dist
 from torch import fx
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import META_KEY, aliases, c10d, is_op, is_view, node_order, schedule_kind
+from compshard.passes.fx_utils import (
+    COLLECTIVE_KINDS, META_KEY, aliases, c10d, collective_group, is_op, is_view, node_order, schedule_kind,
+)
 from compshard.passes.insert_free import escapes, gathered_buffers
 
-_STARTS = ("all_gather", "reduce_scatter", "all_reduce")
+_STARTS = COLLECTIVE_KINDS
 
 
 class ScheduleError(RuntimeError):
@@ -94,13 +96,6 @@ def _check_inflight(graph: fx.Graph, ctx: PassContext) -> None:
                 started.pop(node.args[0], None)
 
 
-def _group_of(graph: fx.Graph) -> str | None:
-    for node in graph.nodes:
-        if schedule_kind(node) in _STARTS:
-            return node.args[-1]
-    return None
-
-
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
 _compiles: dict[str, int] = {}  # per process group: schedules compared so far (the same on every rank)
 
@@ -148,6 +143,6 @@ def check_schedule(gm: fx.GraphModule, ctx: PassContext) -> None:
     _check_inflight(gm.graph, ctx)
     entries = schedule_entries(gm.graph)
     ctx.notes["fingerprint"] = fingerprint(entries)
-    group_name = _group_of(gm.graph)
+    group_name = collective_group(gm.graph)
     if ctx.options.check_schedule and group_name and dist.is_initialized():
         _compare_across_ranks(entries, group_name, ctx)

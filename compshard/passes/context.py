@@ -14,7 +14,6 @@ GraphKind = Literal["dynamo", "joint", "forward", "backward", "inference"]
 class PassContext:
     options: CompileOptions
     graph: GraphKind
-    rank: int = 0
     # One compile's decisions shared by its joint, forward and backward graphs (the bucket
     # plan): the backend hands the same dict to each of them.
     shared: dict = field(default_factory=dict)

@@ -12,26 +12,18 @@ from torch import fx
 
 from compshard.cost_model import Costs, collective_seconds, costs_for, node_seconds
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import META_KEY
+from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY, collective_group
 
 SECONDS = "compshard_seconds"
-COLLECTIVES = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-def _costs(graph: fx.Graph) -> Costs:
-    for node in graph.nodes:
-        meta = node.meta.get(META_KEY)
-        if meta and meta["kind"] in COLLECTIVES:
-            return costs_for(node.args[-1])
-    return Costs()
 
 
 def estimate_costs(gm: fx.GraphModule, ctx: PassContext) -> None:
-    costs = _costs(gm.graph)
+    group_name = collective_group(gm.graph)
+    costs = costs_for(group_name) if group_name else Costs()
     ctx.notes["costs"] = costs
     for node in gm.graph.nodes:
         meta = node.meta.get(META_KEY)
-        if meta and meta["kind"] in COLLECTIVES:
+        if meta and meta["kind"] in COLLECTIVE_KINDS:
             node.meta[SECONDS] = collective_seconds(meta["bytes"], costs)
         elif meta and meta["kind"] == "wait":
             node.meta[SECONDS] = 0.0

@@ -69,6 +69,24 @@ def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
+def first_use(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
+    """The earliest user of any of ``nodes``."""
+    order = node_order(graph)
+    return min((user for node in nodes for user in node.users), key=order.__getitem__)
+
+
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def collective_group(graph: fx.Graph) -> str | None:
+    """The process group name of the graph's first collective start (None: no collective)."""
+    for node in graph.nodes:
+        meta = node.meta.get(META_KEY)
+        if meta and meta["kind"] in COLLECTIVE_KINDS:
+            return node.args[-1]
+    return None
+
+
 def nbytes(val: Any) -> int:
     if isinstance(val, torch.Tensor):
         return val.numel() * val.element_size()

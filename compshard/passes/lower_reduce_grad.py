@@ -25,15 +25,12 @@ from torch import fx
 
 from compshard.ops import Layout
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aten, c10d, compshard_ops, emit, is_op, node_order, schedule_meta, sink_before
-from compshard.passes.lower_unshard import members_by_bucket
+from compshard.passes.assign_buckets import members_by_bucket
+from compshard.passes.fx_utils import (
+    aten, c10d, compshard_ops, emit, first_use, is_op, node_order, schedule_meta, sink_before,
+)
 
 prims = torch.ops.prims
-
-
-def _first_use(graph: fx.Graph, members: list[fx.Node]) -> fx.Node:
-    order = node_order(graph)
-    return min((u for m in members for u in m.users), key=order.__getitem__)
 
 
 def _cast_and_view(graph: fx.Graph, value: fx.Node, local: torch.Tensor, meta: dict) -> fx.Node:
@@ -55,7 +52,7 @@ def _lower_alone(graph: fx.Graph, node: fx.Node, label: str) -> None:
         if world_size != 1:
             value = emit(graph, aten.div.Tensor, (value, world_size), meta=meta("pack"))
             start = emit(graph, c10d.all_reduce.default, (value, "sum", group_name), meta=meta("all_reduce"))
-    with graph.inserting_before(_first_use(graph, [node])):
+    with graph.inserting_before(first_use(graph, [node])):
         if world_size != 1:
             value = emit(graph, c10d.wait_tensor.default, (start,), meta=meta("wait"))
         value = _cast_and_view(graph, value, node.meta["val"], meta("unpack"))
@@ -108,5 +105,5 @@ def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> None:
             _lower_alone(graph, node, f"{ctx.graph}.reduce.{index}")
         else:
             bucketed.append(node)
-    for index, (bucket, members) in enumerate(members_by_bucket(bucketed, ctx, param_arg=4)):
+    for index, (bucket, members) in enumerate(members_by_bucket(bucketed, ctx)):
         _lower_bucket(graph, bucket, members, f"{ctx.graph}.reduce_scatter.{index}")

@@ -24,18 +24,10 @@ from torch import fx
 
 from compshard.ops import Layout
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aten, c10d, compshard_ops, emit, hoist_before, is_op, node_order, schedule_meta
+from compshard.passes.assign_buckets import members_by_bucket
+from compshard.passes.fx_utils import aten, c10d, compshard_ops, emit, first_use, hoist_before, is_op, schedule_meta
 
 prims = torch.ops.prims
-
-
-def members_by_bucket(nodes: list[fx.Node], ctx: PassContext, param_arg: int) -> list[tuple]:
-    """(bucket, member nodes) in order of each bucket's first member in the graph."""
-    groups: dict[int, tuple] = {}
-    for node in nodes:
-        bucket = ctx.shared["bucket_of"][node.args[param_arg]]
-        groups.setdefault(bucket.index, (bucket, []))[1].append(node)
-    return list(groups.values())
 
 
 def _lower_locally(graph: fx.Graph, node: fx.Node) -> None:
@@ -69,9 +61,7 @@ def _lower_bucket(graph: fx.Graph, bucket, members: list[fx.Node], label: str) -
                       meta=meta("pack", names, sum(shard_numels) * dtype.itemsize))
         start = emit(graph, c10d.all_gather_into_tensor.default, (packed, world_size, group_name),
                      meta=meta("all_gather", names, gathered_bytes))
-    order = node_order(graph)
-    first_use = min((u for m in members for u in m.users), key=order.__getitem__)
-    with graph.inserting_before(first_use):
+    with graph.inserting_before(first_use(graph, members)):
         buffer = emit(graph, c10d.wait_tensor.default, (start,), meta=meta("wait", names, gathered_bytes, gathered=True))
         numels = [layout.numel for layout in layouts]
         unpacked = emit(graph, compshard_ops.all_gather_copy_out.default, (buffer, shard_numels, numels, world_size),
@@ -94,5 +84,5 @@ def lower_unshard(gm: fx.GraphModule, ctx: PassContext) -> None:
             _lower_locally(graph, node)
         else:
             remote.append(node)
-    for index, (bucket, members) in enumerate(members_by_bucket(remote, ctx, param_arg=4)):
+    for index, (bucket, members) in enumerate(members_by_bucket(remote, ctx)):
         _lower_bucket(graph, bucket, members, f"{ctx.graph}.all_gather.{index}")

@@ -56,9 +56,12 @@ def _inflight_bytes(gathers: list[dict], index: int, start_position: int, order:
     return nbytes
 
 
-def _window_seconds(graph: fx.Graph, begin: int, end: int, order: dict) -> float:
-    return sum(n.meta.get(SECONDS, 0.0) for n in graph.nodes
-               if begin <= order[n] < end and schedule_kind(n) is None)
+def _compute_prefix(graph: fx.Graph) -> list[float]:
+    """``prefix[i]``: estimated compute seconds of the graph's first ``i`` nodes."""
+    prefix = [0.0]
+    for node in graph.nodes:
+        prefix.append(prefix[-1] + (node.meta.get(SECONDS, 0.0) if schedule_kind(node) is None else 0.0))
+    return prefix
 
 
 def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
@@ -72,6 +75,7 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
     distances = {}
     for i, gather in enumerate(gathers):
         order = node_order(graph)
+        prefix = _compute_prefix(graph)  # moving starts shifts positions, not compute
         wait_position = order[gather["wait"]]
 
         def after(d: int) -> fx.Node:
@@ -87,7 +91,7 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
         d = 0
         if allowed and ctx.options.prefetch == "auto":
             need = gather["start"].meta[SECONDS]
-            covering = [d for d in allowed if _window_seconds(graph, order[after(d)] + 1, wait_position, order) >= need]
+            covering = [d for d in allowed if prefix[wait_position] - prefix[order[after(d)] + 1] >= need]
             d = covering[0] if covering else allowed[-1]
         elif allowed:
             d = min(ctx.options.prefetch, allowed[-1])
