@@ -4,12 +4,14 @@ Each pass is ``pass_(gm, ctx) -> None``, rewriting ``gm.graph`` in place, in its
 module whose docstring states what holds before and after it.
 
   dynamo graph   dedupe_unshard
-  joint graph    assign_buckets, tag_gathered_params, then the min-cut partitioner
+  joint graph    drop_redundant_clones, assign_buckets, tag_gathered_params, then the
+                 min-cut partitioner
   forward        lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory,
                  check_schedule
   backward       lower_unshard, lower_reduce_grad, estimate_costs, prefetch,
                  bound_reduce_scatters, insert_free, estimate_memory, check_schedule
-  inference      assign_buckets (no joint graph is made for inference), then as forward
+  inference      drop_redundant_clones, assign_buckets (no joint graph is made for
+                 inference), then as forward
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from compshard.passes.bound_reduce_scatters import bound_reduce_scatters
 from compshard.passes.check_schedule import ScheduleError, check_schedule
 from compshard.passes.context import PassContext
 from compshard.passes.dedupe_unshard import dedupe_unshard
+from compshard.passes.drop_redundant_clones import drop_redundant_clones
 from compshard.passes.estimate_costs import estimate_costs
 from compshard.passes.estimate_memory import estimate_memory
 from compshard.passes.insert_free import insert_free
@@ -35,11 +38,11 @@ Pass = Callable[[fx.GraphModule, PassContext], None]
 
 PIPELINES: dict[str, Sequence[Pass]] = {
     "dynamo": (dedupe_unshard,),
-    "joint": (assign_buckets, tag_gathered_params),
+    "joint": (drop_redundant_clones, assign_buckets, tag_gathered_params),
     "forward": (lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory, check_schedule),
     "backward": (lower_unshard, lower_reduce_grad, estimate_costs, prefetch, bound_reduce_scatters, insert_free,
                  estimate_memory, check_schedule),
-    "inference": (assign_buckets, lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory,
+    "inference": (drop_redundant_clones, assign_buckets, lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory,
                   check_schedule),
 }
 
