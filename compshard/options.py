@@ -21,14 +21,15 @@ class CompileOptions:
             default); ``"inductor"`` hands them to Inductor for fused code.
         buckets: how parameters are grouped into one all-gather / reduce-scatter each.
             ``"auto"``: one bucket per repeated block of the module tree (``layers.3``),
-            other parameters in runs of at most ``bucket_mb``. A number: buckets of at
+            other parameters pooled into buckets of at most ``bucket_mb``; the bucket used
+            last in forward stays gathered into backward. A number: buckets of at
             most that many MB in order of first use. A list of module-name patterns
             (``fnmatch``, e.g. ``["blocks.*", "embed"]``): one bucket per module matched,
             the rest as for ``"auto"``. ``"none"``: one collective per parameter.
         bucket_mb: size target (MB of gathered parameters) for the fallback buckets.
         prefetch: how early each all-gather starts. An int ``d``: ``d`` buckets ahead of
-            its use (0: just before use). ``"auto"``: as late as the cost model says still
-            hides the gather behind compute.
+            its use (0: just before use). ``"auto"``: the nearest start that hides the
+            most of the gather (cost model), never one that raises the estimated peak.
         max_inflight_mb: bound on the bytes of collectives started and not yet waited
             (per graph; a single bucket larger than the bound is still allowed alone).
         memory_budget_mb: MB of gathered parameters that may stay gathered from forward

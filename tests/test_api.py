@@ -119,17 +119,23 @@ def test_bucket_plan_follows_blocks_patterns_sizes_and_budget():
     names.append("ln_f.weight")
     params = [_Param(name, 100, ("group", 2, torch.float32, None), keep=False) for name in names]
 
-    def plan(**options):
-        return [(b.name, b.params, b.keep_gathered) for b in plan_buckets(params, compshard.CompileOptions(**options))]
+    def plan(last_in_forward=None, **options):
+        buckets = plan_buckets(params, compshard.CompileOptions(**options), last_in_forward)
+        return [(b.name, b.params, b.keep_gathered) for b in buckets]
 
-    assert [name for name, _, _ in plan()] == ["rest.0", "blocks.0", "blocks.1", "rest.1"]
-    assert plan()[1][1] == ("blocks.0.ln.weight", "blocks.0.fc.weight")
+    # parameters outside the blocks are pooled into one bucket wherever they are used
+    assert plan() == [("rest.0", ("wte.weight", "wpe.weight", "ln_f.weight"), False),
+                      ("blocks.0", ("blocks.0.ln.weight", "blocks.0.fc.weight"), False),
+                      ("blocks.1", ("blocks.1.ln.weight", "blocks.1.fc.weight"), False)]
+    # the bucket used last in forward stays gathered into backward
+    assert [keep for _, _, keep in plan("ln_f.weight")] == [True, False, False]
+    assert [keep for _, _, keep in plan("blocks.1.fc.weight")] == [False, False, True]
     assert len(plan(buckets="none")) == len(names)
     assert [len(p) for _, p, _ in plan(buckets=250 / 2**20)] == [2, 2, 2, 1]  # 250 bytes: two 100-byte params each
-    assert [name for name, _, _ in plan(buckets=["blocks.*.fc", "wte"])] == [
-        "wte", "rest.0", "blocks.0.fc", "rest.1", "blocks.1.fc", "rest.2"]
-    # a budget of 100 bytes keeps exactly the smallest bucket (ln_f) gathered
-    assert [keep for _, _, keep in plan(memory_budget_mb=100 / 2**20)] == [False, False, False, True]
+    assert [(name, len(p)) for name, p, _ in plan(buckets=["blocks.*.fc", "wte"])] == [
+        ("wte", 1), ("rest.0", 4), ("blocks.0.fc", 1), ("blocks.1.fc", 1)]
+    # a budget of 200 bytes keeps exactly one of the smallest buckets (the first by name)
+    assert [keep for _, _, keep in plan(memory_budget_mb=200 / 2**20)] == [False, True, False]
     # a block holding two gather dtypes becomes one bucket per dtype: collectives never mix keys
     bf16 = _Param("blocks.0.half.weight", 100, ("group", 2, torch.bfloat16, None), keep=False)
     split = plan_buckets(params[:4] + [bf16] + params[4:], compshard.CompileOptions())
@@ -153,3 +159,41 @@ def test_backend_name_works_without_importing_compshard():
     )
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd="/")
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr[-2000:]
+
+
+def test_compiled_forward_saves_no_more_than_eager_autograd():
+    """The GPT's dropout(p=0) traces to clones; the compiled forward must not save the
+    attention probabilities twice (drop_redundant_clones)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+
+    import compshard.backend as backend
+
+    model, batch = make_model("gpt")
+    eager_saved: dict[int, int] = {}
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def pack(tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in params:
+            eager_saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        model(*batch)
+    compshard.shard(model)
+    torch._dynamo.reset()
+    backend._capture = []
+    try:
+        torch.compile(model, backend="compshard")(*batch)
+        forward = next(g.gm for g in backend._capture if g.kind == "forward")
+    finally:
+        backend._capture = None
+    output = next(iter(forward.graph.find_nodes(op="output")))
+    compiled_saved = {}
+    for node in output.all_input_nodes:
+        value = node.meta.get("val")
+        if node.op != "placeholder" and isinstance(value, torch.Tensor):
+            compiled_saved[StorageWeakRef(value.untyped_storage())] = value.untyped_storage().nbytes()
+    # measured on this model: 1.01x eager with the pass, 1.11x without (the probabilities
+    # saved twice); the 2% slack covers small tensors the traced and eager graphs keep apart
+    assert sum(compiled_saved.values()) <= 1.02 * sum(eager_saved.values())

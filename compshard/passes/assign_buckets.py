@@ -7,16 +7,22 @@ this compile gathers and reduce-scatters each bucket with one collective.
 
 Grouping (``options.buckets``): ``"auto"`` makes one bucket per repeated block of the
 module tree, found from the names alone (``blocks.3`` when ``blocks`` has at least two
-numbered children; the outermost such block wins), and packs every other parameter into
-runs of consecutive first use of at most ``bucket_mb``; a list of ``fnmatch`` patterns
-makes one bucket per matching module (the shortest matching prefix of a parameter's
-module path), the rest as ``"auto"`` does; a number is a size target for all
-parameters; ``"none"`` keeps one parameter per bucket. A bucket never mixes collective
-keys (process group, gather dtype, reduce dtype): it is split by key, in order.
+numbered children; the outermost such block wins), and pools every other parameter
+(embeddings, final norm, head), wherever it is used, into buckets of at most
+``bucket_mb`` in order of first use, as FSDP2's root unit holds them; a list of
+``fnmatch`` patterns makes one bucket per matching module (the shortest matching prefix
+of a parameter's module path), the rest as ``"auto"`` does; a number is a size target
+for all parameters, in order of first use; ``"none"`` keeps one parameter per bucket. A
+bucket never mixes collective keys (process group, gather dtype, reduce dtype): it is
+split by key, in order. Trade-off of pooling: a pooled parameter used late in forward is
+gathered with the first one and held until its use (for the usual embeddings + tied
+head it is held anyway), for one collective instead of one per run.
 
-Memory budget: with ``memory_budget_mb`` the smallest buckets whose gathered bytes fit
-the budget (in total) stay gathered from forward to backward (``keep_gathered``), as do
-the parameters sharded with ``reshard_after_forward=False``.
+Kept gathered (``keep_gathered``: gathered once, held from forward into backward): the
+bucket used last in forward, since backward needs it first and would gather it again
+straight away (what FSDP2 does for its root unit and torchtitan for the last block); the
+parameters sharded with ``reshard_after_forward=False``; and, with ``memory_budget_mb``,
+the smallest further buckets whose gathered bytes fit the budget (in total).
 
 Only names, shapes, dtypes and options decide, so every rank builds the same plan.
 """
@@ -31,7 +37,7 @@ from torch import fx
 
 from compshard.ops import Layout
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import compshard_ops, is_op
+from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op
 
 MB = 2**20
 
@@ -94,21 +100,10 @@ def _named_groups(params: list[_Param], options) -> list[tuple[str | None, list[
     else:
         containers = _containers([p.name for p in params])
         group_of = {p.name: repeated_block(p.name, containers) for p in params}
-    groups: dict[str, list[_Param]] = {}
-    order: list[tuple[str | None, list[_Param]]] = []
-    for param in params:
-        name = group_of[param.name]
-        if name is None:
-            if order and order[-1][0] is None:
-                order[-1][1].append(param)
-            else:
-                order.append((None, [param]))
-        elif name in groups:
-            groups[name].append(param)
-        else:
-            groups[name] = [param]
-            order.append((name, groups[name]))
-    return order
+    groups: dict[str | None, list[_Param]] = {}
+    for param in params:  # dicts keep first-use order; every unnamed parameter is pooled
+        groups.setdefault(group_of[param.name], []).append(param)
+    return list(groups.items())
 
 
 def _split(params: list[_Param], limit: float) -> list[list[_Param]]:
@@ -121,7 +116,9 @@ def _split(params: list[_Param], limit: float) -> list[list[_Param]]:
     return runs
 
 
-def plan_buckets(params: list[_Param], options) -> list[Bucket]:
+def plan_buckets(params: list[_Param], options, last_in_forward: str | None = None) -> list[Bucket]:
+    """Buckets in first-use order; ``last_in_forward`` is the parameter used last in
+    forward (its bucket is kept gathered), ``None`` for inference graphs."""
     limit = (options.buckets if isinstance(options.buckets, (int, float)) else options.bucket_mb) * MB
     groups: list[tuple[str, list[_Param]]] = []
     rest = 0
@@ -139,6 +136,7 @@ def plan_buckets(params: list[_Param], options) -> list[Bucket]:
             suffix = f"#{k}" if len(keys) > 1 else ""
             planned.append((name + suffix, [p for p in members if p.key == key]))
     kept = _kept_by_budget(planned, options.memory_budget_mb)
+    kept |= {name for name, members in planned if any(p.name == last_in_forward for p in members)}
     return [
         Bucket(i, name, tuple(p.name for p in members), sum(p.nbytes for p in members),
                keep_gathered=name in kept or all(p.keep for p in members))
@@ -169,6 +167,31 @@ def members_by_bucket(nodes: list[fx.Node], ctx: PassContext) -> list[tuple[Buck
     return list(groups.values())
 
 
+def _last_used_in_forward(graph: fx.Graph) -> str | None:
+    """The parameter whose gathered value has the latest forward user of the joint graph;
+    ``None`` without tangents (no backward). AOTAutograd traces the joint graph in
+    execution order, so forward is every node before the first that reads a tangent."""
+    backward: set[fx.Node] = set()
+    boundary = None
+    for index, node in enumerate(graph.nodes):
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
+                arg in backward for arg in node.all_input_nodes):
+            backward.add(node)
+            if node.op != "placeholder" and boundary is None:
+                boundary = index
+    if boundary is None:
+        return None
+    order = {node: i for i, node in enumerate(graph.nodes)}
+    last, latest = None, -1
+    for node in graph.nodes:
+        if is_op(node, compshard_ops.unshard.default):
+            for member in gathered_chain(node):
+                for user in member.users:
+                    if latest < order[user] < boundary:
+                        last, latest = node.args[4], order[user]
+    return last
+
+
 def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
     params = []
     for node in gm.graph.nodes:
@@ -179,6 +202,6 @@ def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
         layout = Layout(tuple(full_shape), world_size, rank=0)
         nbytes = world_size * layout.padded_shard_numel * dtype.itemsize
         params.append(_Param(name, nbytes, (group_name, world_size, dtype, reduce_dtype), keep=not reshard))
-    buckets = plan_buckets(params, ctx.options)
+    buckets = plan_buckets(params, ctx.options, _last_used_in_forward(gm.graph))
     ctx.shared["buckets"] = buckets
     ctx.shared["bucket_of"] = {param: bucket for bucket in buckets for param in bucket.params}

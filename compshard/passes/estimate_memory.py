@@ -1,10 +1,13 @@
 """Analysis pass: estimated bytes live after each node, from the fake tensors.
 
-Counts storages the graph allocates (not its inputs). A storage is live from the node
-that creates it until the last use of any alias of it, or its ``free``; storages that
-reach the graph outputs stay live to the end. This is what the FX executor does (it
-drops each value after its last use), so the estimate tracks the real allocation order.
-Writes ``meta["compshard_live_bytes"]`` on every node and the peak into ``ctx.notes``.
+Counts storages the graph allocates and, in backward, its inputs: the saved activations
+that the boxed executor releases after their last use (the start of backward, when they
+are all still held, is often the step's peak). Forward and inference inputs are held by
+the caller and not counted. A storage is live from the node that creates it until the
+last use of any alias of it, or its ``free``; storages that reach the graph outputs stay
+live to the end. This is what the FX executor does (it drops each value after its last
+use), so the estimate tracks the real allocation order. Writes
+``meta["compshard_live_bytes"]`` on every node and the peak into ``ctx.notes``.
 """
 
 from __future__ import annotations
@@ -17,23 +20,24 @@ from compshard.passes.fx_utils import c10d, compshard_ops, is_op, is_view, nbyte
 LIVE_BYTES = "compshard_live_bytes"
 
 
-def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node]) -> fx.Node | None:
-    if node.op == "placeholder" or isinstance(node.meta.get("val"), (list, tuple)):
-        return None  # inputs are not counted; a multi-output node's getitems are
+def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bool) -> fx.Node | None:
+    if (node.op == "placeholder" and not count_inputs) or isinstance(node.meta.get("val"), (list, tuple)):
+        return None  # a multi-output node's getitems are counted instead
     if is_view(node) or is_op(node, c10d.wait_tensor.default):
         parent = node.args[0]
         return roots.get(parent) if isinstance(parent, fx.Node) else None
     return node
 
 
-def estimate_memory(gm: fx.GraphModule, ctx: PassContext) -> None:
-    graph = gm.graph
+def live_bytes(graph: fx.Graph, count_inputs: bool) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
+    """Estimated bytes live (inputs counted when ``count_inputs``) while each node runs
+    (its output allocated, nothing released yet) and after it (its dead inputs released)."""
     order = node_order(graph)
     roots: dict[fx.Node, fx.Node | None] = {}
     release_at: dict[fx.Node, int] = {}  # storage root -> index of the node after which it dies
     outputs: set[fx.Node] = set()
     for node in graph.nodes:
-        roots[node] = _storage_root(node, roots)
+        roots[node] = _storage_root(node, roots, count_inputs)
         root = roots[node]
         if root is None:
             continue
@@ -44,7 +48,7 @@ def estimate_memory(gm: fx.GraphModule, ctx: PassContext) -> None:
                 release_at[root] = order[user]
             else:
                 release_at[root] = max(release_at.get(root, order[user]), order[user])
-    live, peak = 0, 0
+    live, during, after = 0, {}, {}
     releases: dict[int, list[fx.Node]] = {}
     for root, index in release_at.items():
         if root not in outputs:
@@ -52,8 +56,15 @@ def estimate_memory(gm: fx.GraphModule, ctx: PassContext) -> None:
     for node in graph.nodes:
         if roots[node] is node:
             live += nbytes(node.meta.get("val"))
-        peak = max(peak, live)
+        during[node] = live
         for root in releases.get(order[node], []):
             live -= nbytes(root.meta.get("val"))
-        node.meta[LIVE_BYTES] = live
-    ctx.notes["peak_bytes"] = peak
+        after[node] = live
+    return during, after
+
+
+def estimate_memory(gm: fx.GraphModule, ctx: PassContext) -> None:
+    during, after = live_bytes(gm.graph, count_inputs=ctx.graph == "backward")
+    for node, nbytes_live in after.items():
+        node.meta[LIVE_BYTES] = nbytes_live
+    ctx.notes["peak_bytes"] = max(during.values(), default=0)

@@ -65,6 +65,20 @@ def aliases(node: fx.Node) -> list[fx.Node]:
     return found
 
 
+_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+
+
+def gathered_chain(unshard: fx.Node) -> list[fx.Node]:
+    """``unshard`` and the views and casts fed by it alone, transitively."""
+    chain, stack = [unshard], [unshard]
+    while stack:
+        for user in stack.pop().users:
+            if user not in chain and (is_view(user) or is_op(user, *_CASTS)) and user.args[0] in chain:
+                chain.append(user)
+                stack.append(user)
+    return chain
+
+
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
 

@@ -6,8 +6,15 @@ wait (no two gathers overlap), then
 after: bucket ``i``'s pack and start sit just after the wait of bucket ``i - d`` (the
 graph's start when ``i - d < 0``), so the gather runs while buckets ``i - d .. i - 1``
 compute. ``options.prefetch = d`` fixes the distance; ``"auto"`` picks, per bucket, the
-smallest ``d`` whose compute window (estimated seconds of the nodes between the start
-and the wait) covers the gather's estimated time, or the largest allowed when none does.
+smallest ``d`` that hides the most of the gather's estimated time. What distance ``d``
+hides is its compute window (estimated seconds of the nodes between the start and the
+wait) less the time the gathers started in between (buckets ``i - d + 1 .. i - 1``)
+hold the link first, since collectives run one after another. So once communication
+outweighs compute, going further ahead hides nothing more and only holds more memory:
+``"auto"`` stays at the nearest distance that hides as much. ``"auto"`` also never raises
+the graph's estimated peak (``estimate_memory.live_bytes``, with every gather started
+at its wait): a gather whose pack and output bytes would lift the peak anywhere in its
+window starts later.
 Either way ``d`` shrinks until the bytes of all-gathers in flight at the start (started
 and not yet waited, this one included) fit ``max_inflight_mb``; a bucket alone may
 exceed it. Waits do not move, so every use still follows its wait; ``ctx.notes`` records
@@ -22,7 +29,8 @@ from torch import fx
 
 from compshard.passes.context import PassContext
 from compshard.passes.estimate_costs import SECONDS
-from compshard.passes.fx_utils import META_KEY, hoist_before, is_view, node_order, schedule_kind
+from compshard.passes.estimate_memory import live_bytes
+from compshard.passes.fx_utils import META_KEY, hoist_before, is_view, nbytes, node_order, schedule_kind
 
 MB = 2**20
 
@@ -72,11 +80,18 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
     for gather in gathers:  # from a known state: every start just before its wait, nothing in flight
         for node in gather["pack"] + [gather["start"]]:
             gather["wait"].prepend(node)
+    auto = ctx.options.prefetch == "auto"
+    count_inputs = ctx.graph == "backward"
+    peak = max(live_bytes(graph, count_inputs)[0].values(), default=0)
     distances = {}
     for i, gather in enumerate(gathers):
         order = node_order(graph)
+        nodes = list(graph.nodes)
         prefix = _compute_prefix(graph)  # moving starts shifts positions, not compute
         wait_position = order[gather["wait"]]
+        during = live_bytes(graph, count_inputs)[0] if auto else {}
+        held = sum(nbytes(n.meta.get("val")) for n in gather["pack"] + [gather["start"]])
+        issued_at = order[(gather["pack"] + [gather["start"]])[0]]
 
         def after(d: int) -> fx.Node:
             """The node the start goes after for distance ``d``."""
@@ -87,12 +102,22 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
             position = order[after(d)] + 1
             if position >= order[gather["start"]] or _inflight_bytes(gathers, i, position, order) > bound:
                 break
+            if auto and max((during[n] for n in nodes[position:issued_at]), default=0) + held > peak:
+                break
             allowed.append(d)
         d = 0
-        if allowed and ctx.options.prefetch == "auto":
+        if allowed and auto:
             need = gather["start"].meta[SECONDS]
-            covering = [d for d in allowed if prefix[wait_position] - prefix[order[after(d)] + 1] >= need]
-            d = covering[0] if covering else allowed[-1]
+
+            def hidden(d: int) -> float:
+                window = prefix[wait_position] - prefix[order[after(d)] + 1]
+                queued = sum(g["start"].meta[SECONDS] for g in gathers[i - d + 1:i])
+                return min(need, window - queued)
+
+            d = allowed[0]
+            for further in allowed[1:]:
+                if hidden(further) > hidden(d) * (1 + 1e-6):
+                    d = further
         elif allowed:
             d = min(ctx.options.prefetch, allowed[-1])
         distances[gather["start"].meta[META_KEY]["bucket"]] = d

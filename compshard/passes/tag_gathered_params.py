@@ -1,7 +1,7 @@
 """Joint-graph pass: decide, per parameter, whether its gathered value is saved for backward.
 
-A parameter whose bucket is not ``keep_gathered`` (see ``assign_buckets``; the default
-with ``reshard_after_forward=True``) has the whole chain from the shard to its compute
+A parameter whose bucket is not ``keep_gathered`` (see ``assign_buckets``: every bucket
+but the one used last in forward, with ``reshard_after_forward=True``) has the whole chain from the shard to its compute
 users (``unshard`` and the views and dtype casts applied to its result) tagged
 ``MUST_RECOMPUTE``, so the partitioner saves only the shard (a graph input) and the
 backward graph gathers again. A kept parameter's ``unshard`` output is tagged
@@ -12,26 +12,11 @@ The tags follow the bucket plan, which is the same on every rank.
 
 from __future__ import annotations
 
-import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aten, compshard_ops, is_op, is_view
-
-_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
-
-
-def gathered_chain(unshard: fx.Node) -> list[fx.Node]:
-    """``unshard`` and the views and casts fed by it alone, transitively."""
-    chain, stack = [unshard], [unshard]
-    while stack:
-        for user in stack.pop().users:
-            if user not in chain and (is_view(user) or is_op(user, *_CASTS)) and user.args[0] in chain:
-                chain.append(user)
-                stack.append(user)
-    return chain
-
+from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op
 
 def tag_gathered_params(gm: fx.GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
