@@ -105,12 +105,15 @@ class Pipeline:
         ranks = mesh.mesh.reshape(self._stages, -1)
         dp_index = mesh["dp"].get_local_rank() if mesh.ndim == 2 else 0
         params = dict(self.module.named_parameters())
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
         groups = []
         for name, holders in self.partition.tied.items():
             for column in range(ranks.shape[1]):
-                group = dist.new_group([int(ranks[s, column]) for s in holders])
+                members = tuple(int(ranks[s, column]) for s in holders)
+                if members not in created:
+                    created[members] = dist.new_group(list(members))
                 if self.stage_index in holders and column == dp_index:
-                    groups.append((params[name], group))
+                    groups.append((params[name], created[members]))
         return groups
 
     def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:

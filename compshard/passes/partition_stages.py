@@ -109,7 +109,7 @@ class Partition:
             for s in self.stages
         ]
         headers = ["stage", "modules", "ops", "est. ms / micro-batch", "param MiB", "receives", "sends"]
-        lines = [tabulate(rows, headers=headers)]
+        lines = [tabulate(rows, headers=headers, disable_numparse=True)]
         for name, holders in self.tied.items():
             lines.append(f"tied: {name} held by stages {holders}: gradients summed across them")
         return "\n".join(lines)
@@ -168,10 +168,11 @@ def _bytes(nodes: Sequence[fx.Node]) -> int:
 
 def _min_bottleneck(
     positions: list[int], stages: int, weight: Callable[[int, int], float], fits: Callable[[int, int], bool],
-) -> tuple[float, list[int]] | None:
+) -> tuple[float, list[int]]:
     """Cut ``positions[0]..positions[-1]`` into ``stages`` runs between allowed positions,
     minimising the largest ``weight(start, stop)`` over runs with ``fits(start, stop)``.
-    Returns (that largest weight, the boundaries) or None when no cut fits."""
+    Returns that largest weight and the boundaries. Callers guarantee a fitting cut
+    exists (``len(positions) > stages``, and ``fits`` admits at least one cut)."""
     count = len(positions)
     best: list[list[tuple[float, int] | None]] = [[None] * count for _ in range(stages + 1)]
     best[0][0] = (0.0, -1)
@@ -185,8 +186,6 @@ def _min_bottleneck(
                 if choice is None or value < choice[0]:
                     choice = (value, i)
             best[k][j] = choice
-    if best[stages][count - 1] is None:
-        return None
     bounds, j = [positions[-1]], count - 1
     for k in range(stages, 0, -1):
         j = best[k][j][1]
@@ -259,7 +258,7 @@ def partition_stages(
 
     def stage_param_bytes(start: int, stop: int) -> int:
         if (start, stop) not in memory:
-            held = {id(t): t for i, tensors in param_uses.items() if start <= i < stop for t in tensors}
+            held = {id(t): t for i in range(start, stop) for t in param_uses.get(i, ())}
             memory[(start, stop)] = sum(t.numel() * t.element_size() for t in held.values())
         return memory[(start, stop)]
 
