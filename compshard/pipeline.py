@@ -92,6 +92,7 @@ class Pipeline:
         self.stage_index = mesh["pp"].get_local_rank()
         self._stages = len(partition.stages)
         self.module: fx.GraphModule = build_stage_module(partition, self.stage_index)
+        partition.release_tensors()  # the stage module holds this rank's; sharding may replace them
         if self._data_parallel > 1:
             shard(self.module, mesh=mesh["dp"])
         stage = PipelineStage(self.module, self.stage_index, self._stages, device, group=self._pp_group)
@@ -150,8 +151,8 @@ class Pipeline:
         return loss
 
     def describe(self) -> PipelineReport:
-        """The stages (modules, ops, estimated cost, parameter memory) and the schedule's
-        bubble fraction."""
+        """The stages (modules, ops, estimated forward cost, parameter memory before
+        sharding) and the schedule's bubble fraction."""
         return PipelineReport(self.partition, self._schedule_name, self._microbatches, self._data_parallel)
 
 
@@ -212,8 +213,9 @@ def pipeline(
 
     Args:
         model: the whole model, with identical parameters on every rank. Its forward takes
-            positional tensors and returns a tensor (or a tuple of tensors); the stage
-            modules hold its parameter tensors themselves (no copies).
+            positional tensors and returns a tensor (or a tuple of tensors). This rank's
+            stage module holds the model's own parameter tensors (no copies) and the
+            pipeline references no other stage's: drop ``model`` to free them.
         loss_fn: ``loss_fn(output, targets)`` for one micro-batch; a mean over the
             micro-batch (gradients are divided by ``microbatches``).
         stages: number of pipeline stages ``K``; at most what the model's forward can be

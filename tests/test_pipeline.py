@@ -132,6 +132,7 @@ def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule:
         "names": [name for name, _ in pipe.module.named_parameters()],
         "sharded": [isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in pipe.module.parameters()],
         "bubble": report.bubble_fraction,
+        "released": all(held.tensor.is_meta for stage in pipe.partition.stages for held in stage.state.values()),
         "report": str(report),
     }
 
@@ -174,6 +175,7 @@ def test_pipeline_training_matches_single_process_eager(pipeline_results, schedu
         assert got["params"][worst] <= RTOL, f"rank {rank}: {worst} relative error {got['params'][worst]:.2e}"
         assert got["stage"] == rank // (world_size // stages)
         assert all(got["sharded"]) if world_size > stages else not any(got["sharded"]), got["sharded"]
+        assert got["released"], "the pipeline must not keep other stages' (or unsharded) tensors alive"
         assert got["bubble"] == pytest.approx((stages - 1) / (microbatches + stages - 1))
         assert f"schedule {schedule}" in got["report"] and "bubble fraction" in got["report"]
         held.update(got["names"])

@@ -33,7 +33,7 @@ those stages.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -80,7 +80,7 @@ class StagePlan:
 
     @property
     def param_bytes(self) -> int:
-        unique = {id(s.tensor): s.tensor for s in self.state.values() if s.is_parameter}
+        unique = {s.name: s.tensor for s in self.state.values() if s.is_parameter}
         return sum(t.numel() * t.element_size() for t in unique.values())
 
 
@@ -95,6 +95,13 @@ class Partition:
     # parameter name -> the stages holding it, for parameters held by more than one stage
     tied: dict[str, list[int]] = field(default_factory=dict)
 
+    def release_tensors(self) -> None:
+        """Keep meta tensors (same shapes and dtypes) in place of every stage's parameters,
+        buffers and constants, so that holding the partition holds no model memory; the
+        table and the costs are unchanged, :func:`build_stage_module` no longer applies."""
+        for plan in self.stages:
+            plan.state = {key: replace(held, tensor=held.tensor.detach().to("meta")) for key, held in plan.state.items()}
+
     @property
     def cut_points(self) -> list[str]:
         """Name of the first op of every stage but the first (identical on every rank)."""
@@ -108,7 +115,7 @@ class Partition:
              f"{s.param_bytes / 2**20:.3f}", _shapes(s.inputs), _shapes(s.outputs)]
             for s in self.stages
         ]
-        headers = ["stage", "modules", "ops", "est. ms / micro-batch", "param MiB", "receives", "sends"]
+        headers = ["stage", "modules", "ops", "est. forward ms / micro-batch", "param MiB", "receives", "sends"]
         lines = [tabulate(rows, headers=headers, disable_numparse=True)]
         for name, holders in self.tied.items():
             lines.append(f"tied: {name} held by stages {holders}: gradients summed across them")
