@@ -12,6 +12,7 @@ from compshard import ops  # noqa: F401  (registers the compshard:: custom ops)
 from compshard.backend import compshard_backend
 from compshard.options import CompileOptions
 from compshard.passes import ScheduleError
+from compshard.pipeline import Pipeline, PipelineReport, pipeline
 from compshard.report import Report, inspect
 from compshard.sharding import full_state_dict, shard
 
@@ -20,4 +21,5 @@ from compshard.sharding import full_state_dict, shard
 if "compshard" not in torch._dynamo.list_backends(exclude_tags=()):
     torch._dynamo.register_backend(compshard_backend, name="compshard")
 
-__all__ = ["shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError", "compshard_backend"]
+__all__ = ["shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError", "compshard_backend",
+           "pipeline", "Pipeline", "PipelineReport"]

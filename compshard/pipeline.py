@@ -1,0 +1,266 @@
+"""``compshard.pipeline``: pipeline-parallel training over stages cut by a graph pass.
+
+The forward is captured and cut into ``stages`` contiguous stages balanced by estimated
+cost (``compshard.passes.partition_stages``); each rank runs one stage with
+``torch.distributed.pipelining`` (``PipelineStage`` and its ``ScheduleGPipe`` /
+``Schedule1F1B``) over ``microbatches`` micro-batches. With more ranks than stages the
+ranks form a 2-D mesh ``(pp, dp)``: every stage is replicated over ``dp`` ranks, and each
+replica's stage module is sharded over them with ``compshard.shard`` (ZeRO-3 inside the
+stage, pipeline across stages).
+
+Stage modules run eagerly: parameter reads of a sharded stage are blocking all-gathers,
+and each micro-batch's backward reduce-scatters its gradients (``M`` reduce-scatters per
+parameter and step, no accumulation in full size).
+
+Tied parameters whose uses fall in different stages (GPT's ``wte.weight`` /
+``lm_head.weight``) are held by each of those stages; after the backward their gradients
+are summed across those stages (an all-reduce over the ranks that hold them), so every
+copy takes the same optimizer step and they stay equal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import fx, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+
+from compshard import cost_model
+from compshard.passes.partition_stages import Partition, build_stage_module, partition_stages
+from compshard.sharding import shard
+
+__all__ = ["Pipeline", "PipelineReport", "SCHEDULES", "bubble_fraction", "pipeline"]
+
+SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
+
+
+def bubble_fraction(stages: int, microbatches: int) -> float:
+    """Idle fraction of each rank's time in GPipe and 1F1B: ``(K - 1) / (M + K - 1)``
+    (``K`` stages, ``M`` micro-batches, stages of equal cost)."""
+    return (stages - 1) / (microbatches + stages - 1)
+
+
+@dataclass
+class PipelineReport:
+    """What ``Pipeline.describe()`` returns; ``str()`` shows the stages and the schedule."""
+
+    partition: Partition
+    schedule: str
+    microbatches: int
+    data_parallel: int  # ranks sharding each stage
+
+    @property
+    def bubble_fraction(self) -> float:
+        return bubble_fraction(len(self.partition.stages), self.microbatches)
+
+    def __str__(self) -> str:
+        stages = len(self.partition.stages)
+        header = (
+            f"pipeline: {stages} stages x {self.data_parallel} data-parallel shards, schedule {self.schedule}, "
+            f"{self.microbatches} micro-batches, bubble fraction (K-1)/(M+K-1) = "
+            f"{stages - 1}/{self.microbatches + stages - 1} = {self.bubble_fraction:.3f}"
+        )
+        return f"{header}\n{self.partition}"
+
+
+class Pipeline:
+    """This rank's stage of a pipelined model; build it with :func:`pipeline`.
+
+    Attributes:
+        module: this rank's stage module. Its ``named_parameters()`` use the original
+            model's names (sharded over the ``dp`` ranks when there are several): give
+            them to the optimizer, and save its ``state_dict()`` for checkpoints.
+        stage_index: which stage this rank runs.
+        partition: the cut, for every stage (see :meth:`describe`).
+    """
+
+    def __init__(
+        self, partition: Partition, loss_fn: Callable, *, schedule: str, microbatches: int, mesh: DeviceMesh,
+        device: torch.device, input_shapes: list[torch.Size],
+    ) -> None:
+        self.partition = partition
+        self._input_shapes = input_shapes
+        self._schedule_name = schedule
+        self._microbatches = microbatches
+        self._pp_group = mesh["pp"].get_group()
+        self._dp_group = mesh["dp"].get_group() if mesh.ndim == 2 else None
+        self._data_parallel = mesh["dp"].size() if mesh.ndim == 2 else 1
+        self.stage_index = mesh["pp"].get_local_rank()
+        self._stages = len(partition.stages)
+        self.module: fx.GraphModule = build_stage_module(partition, self.stage_index)
+        partition.release_tensors()  # the stage module holds this rank's; sharding may replace them
+        if self._data_parallel > 1:
+            shard(self.module, mesh=mesh["dp"])
+        stage = PipelineStage(self.module, self.stage_index, self._stages, device, group=self._pp_group)
+        self._schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn)
+        self._tied = self._tied_groups(mesh)
+
+    def _tied_groups(self, mesh: DeviceMesh) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
+        """For each tied parameter this rank holds: the group of ranks (same ``dp`` index,
+        the stages holding it) its gradient is summed over. Every rank creates every group,
+        in the same order, as ``new_group`` requires."""
+        ranks = mesh.mesh.reshape(self._stages, -1)
+        dp_index = mesh["dp"].get_local_rank() if mesh.ndim == 2 else 0
+        params = dict(self.module.named_parameters())
+        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+        groups = []
+        for name, holders in self.partition.tied.items():
+            for column in range(ranks.shape[1]):
+                members = tuple(int(ranks[s, column]) for s in holders)
+                if members not in created:
+                    created[members] = dist.new_group(list(members))
+                if self.stage_index in holders and column == dp_index:
+                    groups.append((params[name], created[members]))
+        return groups
+
+    def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
+        """Forward and backward over all micro-batches; gradients are left in
+        ``module``'s parameters (summed over micro-batches as the mean loss asks).
+
+        ``inputs`` (the model's positional inputs) and ``targets`` are this data-parallel
+        replica's batch, split along dim 0 into the micro-batches; every rank passes them
+        (only the first stage reads ``inputs``, only the last ``targets``). Returns the mean
+        loss over the micro-batches and data-parallel replicas, on every rank.
+        """
+        args = _as_tuple(inputs)
+        if [a.shape for a in args] != self._input_shapes:
+            raise ValueError(
+                f"compshard.pipeline: step() inputs have shapes {[tuple(a.shape) for a in args]}; the stages were "
+                f"captured for {[tuple(s) for s in self._input_shapes]} (example_inputs)"
+            )
+        is_first, is_last = self.stage_index == 0, self.stage_index == self._stages - 1
+        losses: list[torch.Tensor] = []
+        self._schedule.step(
+            *(args if is_first else ()), target=targets if is_last else None, losses=losses if is_last else None,
+            return_outputs=False,
+        )
+        with torch.no_grad():
+            for param, group in self._tied:
+                dist.all_reduce(_local(param.grad), group=group)
+            device = targets.device
+            loss = torch.stack(losses).mean() if is_last else torch.zeros((), device=device)
+            loss = loss.detach().to(torch.float32)
+            dist.broadcast(loss, group=self._pp_group, group_src=self._stages - 1)
+            if self._dp_group is not None:
+                dist.all_reduce(loss, group=self._dp_group)
+                loss /= self._data_parallel
+        return loss
+
+    def describe(self) -> PipelineReport:
+        """The stages (modules, ops, estimated forward cost, parameter memory before
+        sharding) and the schedule's bubble fraction."""
+        return PipelineReport(self.partition, self._schedule_name, self._microbatches, self._data_parallel)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if hasattr(tensor, "to_local") else tensor
+
+
+def _as_tuple(inputs: torch.Tensor | Sequence[torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    args = (inputs,) if isinstance(inputs, torch.Tensor) else tuple(inputs)
+    if not args or not all(isinstance(a, torch.Tensor) for a in args):
+        raise TypeError("compshard.pipeline: inputs must be a tensor or a non-empty sequence of tensors")
+    return args
+
+
+def _positive_int(option: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"compshard.pipeline: {option} must be an int >= 1, got {value!r}")
+    return value
+
+
+def _pipeline_mesh(stages: int, mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
+    world_size = dist.get_world_size()
+    if mesh is None:
+        if world_size % stages:
+            raise ValueError(
+                f"compshard.pipeline: stages={stages} must divide the world size {world_size} "
+                f"(the ranks form a (pp={stages}, dp=world/{stages}) mesh)"
+            )
+        shape = (stages, world_size // stages)
+        return init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp"))
+    names = mesh.mesh_dim_names or ()
+    if not isinstance(mesh, DeviceMesh) or names not in (("pp",), ("pp", "dp")):
+        raise ValueError(f"compshard.pipeline: mesh must be a DeviceMesh with dims ('pp',) or ('pp', 'dp'), got {mesh!r}")
+    if mesh["pp"].size() != stages:
+        raise ValueError(f"compshard.pipeline: stages={stages} must equal the mesh's 'pp' size {mesh['pp'].size()}")
+    return mesh
+
+
+def _check_same_cut(partition: Partition) -> None:
+    """Every rank must have cut the same way, or the stages would not fit together."""
+    cuts: list[list[str] | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(cuts, partition.cut_points)
+    if any(c != cuts[0] for c in cuts):
+        raise RuntimeError(f"compshard.pipeline: ranks cut the model differently: {cuts}")
+
+
+def pipeline(
+    model: nn.Module,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    stages: int,
+    microbatches: int,
+    example_inputs: torch.Tensor | Sequence[torch.Tensor],
+    schedule: str = "1f1b",
+    mesh: DeviceMesh | None = None,
+) -> Pipeline:
+    """Cut ``model`` into ``stages`` pipeline stages and return this rank's :class:`Pipeline`.
+
+    Args:
+        model: the whole model, with identical parameters on every rank. Its forward takes
+            positional tensors and returns a tensor (or a tuple of tensors). This rank's
+            stage module holds the model's own parameter tensors (no copies) and the
+            pipeline references no other stage's: drop ``model`` to free them.
+        loss_fn: ``loss_fn(output, targets)`` for one micro-batch; a mean over the
+            micro-batch (gradients are divided by ``microbatches``).
+        stages: number of pipeline stages ``K``; at most what the model's forward can be
+            cut into (else a ``ValueError`` naming the maximum).
+        microbatches: number of micro-batches ``M`` each step's batch is split into
+            (along dim 0; ``1f1b`` needs ``M >= K``).
+        example_inputs: one step's inputs for this replica (or tensors of the same shapes
+            and dtypes): the forward is captured on its first micro-batch, and ``step``
+            takes batches of these shapes.
+        schedule: ``"1f1b"`` (one forward, one backward: at most ``K`` micro-batches of
+            activations live per stage) or ``"gpipe"`` (all forwards, then all backwards:
+            ``M`` live). Both idle ``(K-1)/(M+K-1)`` of the time.
+        mesh: a ``DeviceMesh`` with dims ``("pp",)`` or ``("pp", "dp")``. ``None``: the
+            default process group as a ``(K, world/K)`` mesh; with ``dp > 1`` each stage is
+            sharded over its ``dp`` ranks with :func:`compshard.shard`.
+
+    Collective: every rank calls it (it needs an initialized process group).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compshard.pipeline: model must be an nn.Module, got {type(model).__name__}")
+    if not callable(loss_fn):
+        raise TypeError(f"compshard.pipeline: loss_fn must be callable, got {loss_fn!r}")
+    _positive_int("stages", stages)
+    _positive_int("microbatches", microbatches)
+    if schedule not in SCHEDULES:
+        raise ValueError(f"compshard.pipeline: schedule={schedule!r} is not allowed; use one of {list(SCHEDULES)}")
+    if schedule == "1f1b" and microbatches < stages:
+        raise ValueError(
+            f"compshard.pipeline: schedule='1f1b' needs microbatches >= stages, got microbatches={microbatches}, "
+            f"stages={stages}; use more micro-batches or schedule='gpipe'"
+        )
+    args = _as_tuple(example_inputs)
+    batch = args[0].shape[0] if args[0].dim() else 0
+    if batch % microbatches or any(a.dim() == 0 or a.shape[0] != batch for a in args):
+        raise ValueError(
+            f"compshard.pipeline: microbatches={microbatches} must divide the batch (dim 0 of every input, "
+            f"got shapes {[tuple(a.shape) for a in args]})"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("compshard.pipeline needs an initialized process group (launch with torchrun)")
+    device = next(model.parameters()).device
+    mesh = _pipeline_mesh(stages, mesh, device)
+    costs = cost_model.calibrate(dist.group.WORLD.group_name, device)
+    micro_batch = tuple(a[: batch // microbatches] for a in args)
+    partition = partition_stages(model, micro_batch, stages, costs=costs)
+    _check_same_cut(partition)
+    return Pipeline(partition, loss_fn, schedule=schedule, microbatches=microbatches, mesh=mesh, device=device,
+                    input_shapes=[a.shape for a in args])

@@ -1,0 +1,189 @@
+"""Pipeline parallelism: the partition pass (in process) and training with
+``compshard.pipeline`` against single-process eager training (gloo: 2 stages on 2
+processes, 2 stages x 2 data-parallel shards on 4). One spawn per world size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import io
+import pathlib
+import re
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import DTensor
+
+import compshard
+from compshard.models import GPT, GPTConfig
+from compshard.passes.partition_stages import build_stage_module, partition_stages
+from compshard.pipeline import bubble_fraction
+from tests.distributed import run_distributed
+from tests.models import make_model
+from tests.training import ADAMW, RTOL, STEPS, local_batch, relative_error, train_reference
+
+README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+# Eight blocks: enough ops between blocks for four stages to balance; small enough to export fast.
+BALANCE_GPT = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=64)
+
+
+def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+# ----------------------------------------------------------------------------- in process
+
+
+@pytest.fixture(scope="module")
+def balance_gpt():
+    torch.manual_seed(0)
+    model = GPT(BALANCE_GPT)
+    tokens = torch.randint(0, BALANCE_GPT.vocab_size, (2, BALANCE_GPT.block_size))
+    return model, tokens
+
+
+@pytest.mark.parametrize("stages", [2, 4])
+def test_gpt_partition_is_balanced_and_runs_as_the_model(balance_gpt, stages):
+    model, tokens = balance_gpt
+    partition = partition_stages(model, (tokens,), stages)
+    costs = [stage.cost_seconds for stage in partition.stages]
+    assert max(costs) <= 1.1 * min(costs), f"stage costs {costs}"
+
+    modules = [build_stage_module(partition, k) for k in range(stages)]
+    names = [name for module in modules for name, _ in module.named_parameters()]
+    assert sorted(names) == sorted([name for name, _ in model.named_parameters()] + ["wte.weight"] * (stages > 1))
+    assert partition.tied == {"wte.weight": [0, stages - 1]}
+    assert all(set(m.state_dict()) <= set(model.state_dict()) for m in modules)
+    for module in modules:  # the model's own tensors, not copies
+        assert all(p is model.get_parameter(name) for name, p in module.named_parameters())
+
+    sent = (tokens,)
+    for module in modules:
+        sent = module(*sent)
+        sent = sent if isinstance(sent, tuple) else (sent,)
+    torch.testing.assert_close(sent[0], model(tokens), rtol=0, atol=0)
+
+    table = str(partition)
+    assert all(re.search(rf"^{k}\s", table, re.M) for k in range(stages)), table
+    assert "blocks.0" in table and "lm_head" in table and "tied: wte.weight" in table
+
+
+def test_too_many_stages_names_the_maximum():
+    model, (tokens, _) = make_model("gpt")
+    most = partition_stages(model, (tokens,), 2).max_stages
+    assert len(partition_stages(model, (tokens,), most).stages) == most
+    with pytest.raises(ValueError, match=rf"stages={most + 1} .* at most {most}\b"):
+        partition_stages(model, (tokens,), most + 1)
+
+
+@pytest.mark.parametrize(
+    ("options", "message"),
+    [
+        ({"schedule": "zero-bubble"}, r"schedule='zero-bubble' is not allowed; use one of \['gpipe', '1f1b'\]"),
+        ({"stages": 0}, r"stages must be an int >= 1, got 0"),
+        ({"microbatches": 2.5}, r"microbatches must be an int >= 1, got 2.5"),
+        ({"stages": 4, "microbatches": 2}, r"schedule='1f1b' needs microbatches >= stages"),
+        ({"microbatches": 3}, r"microbatches=3 must divide the batch"),
+    ],
+)
+def test_bad_options_name_the_option_and_what_is_allowed(options, message):
+    model, (x, _) = make_model("gpt")
+    kwargs = {"stages": 2, "microbatches": 4, "example_inputs": x, **options}
+    with pytest.raises(ValueError, match=message):
+        compshard.pipeline(model, gpt_loss, **kwargs)
+
+
+def test_bubble_fraction():
+    assert bubble_fraction(1, 4) == 0
+    assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
+    assert bubble_fraction(4, 8) == pytest.approx(3 / 11)
+
+
+# ------------------------------------------------------------------------------ distributed
+
+
+def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule: str, pp_mesh: bool) -> dict:
+    """Train the test GPT with ``compshard.pipeline`` and report errors against eager
+    (``pp_mesh``: pass a 1-D ``("pp",)`` mesh instead of letting it build one)."""
+    reference, batch = make_model("gpt")
+    model = copy.deepcopy(reference)
+    expected_losses = train_reference(reference, batch)
+    replicas = world_size // stages
+    x, y = local_batch(batch, rank % replicas, replicas)  # ranks are laid out (pp, dp), dp inner
+    mesh = init_device_mesh("cpu", (stages,), mesh_dim_names=("pp",)) if pp_mesh else None
+    pipe = compshard.pipeline(model, gpt_loss, stages=stages, microbatches=microbatches, schedule=schedule,
+                              example_inputs=x, mesh=mesh)
+    opt = torch.optim.AdamW(pipe.module.parameters(), **ADAMW)
+    losses = []
+    for _ in range(STEPS):
+        losses.append(pipe.step(x, y).item())
+        opt.step()
+        opt.zero_grad()
+    full = compshard.full_state_dict(pipe.module)
+    expected = reference.state_dict()
+    report = pipe.describe()
+    return {
+        "stage": pipe.stage_index,
+        "loss": max(relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, expected_losses)),
+        "params": {name: relative_error(value, expected[name]) for name, value in full.items()},
+        "names": [name for name, _ in pipe.module.named_parameters()],
+        "sharded": [isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in pipe.module.parameters()],
+        "bubble": report.bubble_fraction,
+        "released": all(held.tensor.is_meta for stage in pipe.partition.stages for held in stage.state.values()),
+        "report": str(report),
+    }
+
+
+def _run_readme_example() -> str:
+    block = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "compshard.pipeline(" in b)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        exec(compile(block, "README.md", "exec"), {"__name__": "__main__"})
+    return out.getvalue()
+
+
+CASES = {  # world size -> schedule -> (stages, microbatches, schedule, pass a 1-D pp mesh)
+    2: {"1f1b": (2, 4, "1f1b", False), "gpipe": (2, 4, "gpipe", True)},
+    4: {"1f1b": (2, 2, "1f1b", False), "gpipe": (2, 4, "gpipe", False)},
+}
+
+
+def pipeline_worker(rank: int, world_size: int) -> dict:
+    results = {name: _train(rank, world_size, *case) for name, case in CASES[world_size].items()}
+    results["readme"] = _run_readme_example()
+    return results
+
+
+@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+def pipeline_results(request):
+    return request.param, run_distributed(pipeline_worker, request.param)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
+def test_pipeline_training_matches_single_process_eager(pipeline_results, schedule):
+    world_size, results = pipeline_results
+    stages, microbatches, _, _ = CASES[world_size][schedule]
+    model, _ = make_model("gpt")
+    held = set()
+    for rank, result in enumerate(results):
+        got = result[schedule]
+        assert got["loss"] <= RTOL, f"rank {rank}: loss relative error {got['loss']:.2e}"
+        worst = max(got["params"], key=got["params"].get)
+        assert got["params"][worst] <= RTOL, f"rank {rank}: {worst} relative error {got['params'][worst]:.2e}"
+        assert got["stage"] == rank // (world_size // stages)
+        assert all(got["sharded"]) if world_size > stages else not any(got["sharded"]), got["sharded"]
+        assert got["released"], "the pipeline must not keep other stages' (or unsharded) tensors alive"
+        assert got["bubble"] == pytest.approx((stages - 1) / (microbatches + stages - 1))
+        assert f"schedule {schedule}" in got["report"] and "bubble fraction" in got["report"]
+        held.update(got["names"])
+    assert held == {name for name, _ in model.named_parameters()}
+
+
+def test_readme_pipeline_example_runs(pipeline_results):
+    _, results = pipeline_results
+    assert re.search(r"^loss \d+\.\d{4}$", results[0]["readme"], re.M), results[0]["readme"]
+    assert "bubble fraction (K-1)/(M+K-1) = 1/5" in results[0]["readme"]
+    assert all(result["readme"] == "" for result in results[1:])  # only rank 0 prints
