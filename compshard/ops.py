@@ -197,14 +197,23 @@ def _kernel(name: str, dtypes: list[torch.dtype]):
 
 
 @torch.library.custom_op("compshard::all_gather_copy_in", mutates_args=())
-def all_gather_copy_in(shards: list[torch.Tensor], shard_numels: list[int], dtype: torch.dtype) -> torch.Tensor:
+def all_gather_copy_in(
+    shards: list[torch.Tensor], shard_numels: list[int], dtype: torch.dtype, world_size: int, rank: int
+) -> torch.Tensor:
+    """The all-gather output buffer (``world_size`` slots of ``sum(shard_numels)``) with this
+    rank's slot packed; the gather then fills the other slots in place, so no separate
+    input buffer is held while it is in flight (as FSDP2 does)."""
     shards = [s.contiguous() for s in shards]
-    return _kernel("all_gather_copy_in", [dtype, *(s.dtype for s in shards)])(shards, shard_numels, dtype)
+    slot = sum(shard_numels)
+    buffer = shards[0].new_empty(world_size * slot, dtype=dtype)
+    copy_in = _kernel("all_gather_copy_in", [dtype, *(s.dtype for s in shards)])
+    copy_in(shards, shard_numels, dtype, out=buffer[rank * slot:(rank + 1) * slot])
+    return buffer
 
 
 @all_gather_copy_in.register_fake
-def _(shards, shard_numels, dtype):
-    return shards[0].new_empty(sum(shard_numels), dtype=dtype)
+def _(shards, shard_numels, dtype, world_size, rank):
+    return shards[0].new_empty(world_size * sum(shard_numels), dtype=dtype)
 
 
 @torch.library.custom_op("compshard::all_gather_copy_out", mutates_args=())

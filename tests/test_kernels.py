@@ -283,6 +283,13 @@ def test_all_gather_copy_in_bit_exact(interpreter, dtype_pair):
     shards = [view for view, _ in buffers]
     got = K.all_gather_copy_in(shards, lengths, dtype)
     assert_bits_equal(got, K.all_gather_copy_in_reference(shards, lengths, dtype), "all_gather_copy_in")
+    # into a slot of a larger buffer (the in-place all-gather): the slot is written, nothing around it
+    total = sum(lengths)
+    buffer = torch.full((3 * total,), 7.0, dtype=dtype)
+    returned = K.all_gather_copy_in(shards, lengths, dtype, out=buffer[total:2 * total])
+    assert returned.data_ptr() == buffer[total:].data_ptr()
+    assert_bits_equal(buffer[total:2 * total], got, "all_gather_copy_in(out=slot)")
+    assert bool((buffer[:total] == 7).all()) and bool((buffer[2 * total:] == 7).all())
 
 
 @requires_triton
@@ -490,6 +497,11 @@ BAD_CALLS = {
     "out/device": (lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(4,), (6,)], 2,
                                                  out=[torch.zeros(4), torch.zeros(6, device="meta")]),
                    ValueError, "device"),
+    "copy_in/out-numel": (lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(3)], [2, 3], torch.float32,
+                                                       out=torch.zeros(4)), ValueError, "out must be a contiguous 1-D"),
+    "copy_in/out-dtype": (lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(3)], [2, 3], torch.float32,
+                                                       out=torch.zeros(5, dtype=torch.bfloat16)), ValueError,
+                          "torch.float32 tensor of 5 elements"),
     "grads/too-long": (lambda: K.reduce_scatter_copy_in([torch.zeros(5), torch.zeros(6)], [2, 3], 2, torch.float32),
                        ValueError, r"grads\[0\] has 5 elements but shard_numels\[0\] \* world_size = 4"),
     "grads/len": (lambda: K.reduce_scatter_copy_in([torch.zeros(4)], [2, 3], 2, torch.float32), ValueError,

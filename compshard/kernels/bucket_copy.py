@@ -84,17 +84,30 @@ def select_backend(device: torch.device, tensors: Sequence[torch.Tensor] = ()) -
     return "reference"
 
 
+def _check_out_buffer(out: torch.Tensor, numel: int, dtype: torch.dtype, device: torch.device) -> None:
+    if not isinstance(out, torch.Tensor):
+        raise TypeError(f"out must be a torch.Tensor or None, got {type(out).__name__}")
+    if out.dim() != 1 or out.numel() != numel or out.dtype != dtype or out.device != device or not out.is_contiguous():
+        raise ValueError(
+            f"out must be a contiguous 1-D {dtype} tensor of {numel} elements on {device}, "
+            f"got {tuple(out.shape)} {out.dtype} on {out.device} (contiguous={out.is_contiguous()})")
+
+
 def _empty_bucket_error(name: str) -> ValueError:
     return ValueError(f"{name} is empty; a bucket needs at least one parameter (its device is unknown otherwise)")
 
 
 @torch.no_grad()
-def all_gather_copy_in(shards: Sequence[torch.Tensor], shard_numels: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+def all_gather_copy_in(
+    shards: Sequence[torch.Tensor], shard_numels: Sequence[int], dtype: torch.dtype, out: torch.Tensor | None = None
+) -> torch.Tensor:
     """Pack this rank's shards into one all-gather input buffer of length ``S``.
 
     ``shards[i]`` (any shape, contiguous, at most ``L[i]`` elements, all of one
     dtype) is flattened, cast to ``dtype`` and zero-padded to ``L[i]``; the
-    result is a new 1-D tensor ``[shard_0 | pad | shard_1 | pad | ...]``.
+    result is a 1-D tensor ``[shard_0 | pad | shard_1 | pad | ...]``: ``out`` when
+    given (contiguous, 1-D, ``S`` elements of ``dtype``; e.g. this rank's slot of the
+    all-gather output, so the gather runs in place), else a new tensor.
     """
     layout = layout_for(shard_numels)
     dtype = check_dtype("dtype", dtype)
@@ -105,10 +118,13 @@ def all_gather_copy_in(shards: Sequence[torch.Tensor], shard_numels: Sequence[in
     for i, (n, length) in enumerate(zip(numels, layout.shard_numels)):
         if n > length:
             raise ValueError(f"shards[{i}] has {n} elements, more than shard_numels[{i}] = {length}")
+    if out is not None:
+        _check_out_buffer(out, layout.total, dtype, device)
     backend = select_backend(device, shards)
     if backend == "reference":
-        return all_gather_copy_in_reference(shards, layout.shard_numels, dtype)
-    out = torch.empty(layout.total, dtype=dtype, device=device)
+        return all_gather_copy_in_reference(shards, layout.shard_numels, dtype, out=out)
+    if out is None:
+        out = torch.empty(layout.total, dtype=dtype, device=device)
     base, itemsize = out.data_ptr(), dtype.itemsize
     k = len(shards)
     _triton_launch.launch(

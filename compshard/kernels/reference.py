@@ -24,9 +24,10 @@ from ._checks import _layout
 
 
 def all_gather_copy_in_reference(
-    shards: Sequence[torch.Tensor], shard_numels: Sequence[int], dtype: torch.dtype
+    shards: Sequence[torch.Tensor], shard_numels: Sequence[int], dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """Flatten, cast and zero-pad shard i to ``shard_numels[i]``; concatenate (length ``S``)."""
+    """Flatten, cast and zero-pad shard i to ``shard_numels[i]``; concatenate (length ``S``),
+    into ``out`` when given."""
     pieces = []
     for shard, length in zip(shards, shard_numels):
         flat = shard.reshape(-1).to(dtype)
@@ -35,7 +36,7 @@ def all_gather_copy_in_reference(
         pieces.append(flat)
     if not pieces:
         return torch.empty(0, dtype=dtype)
-    return torch.cat(pieces)
+    return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
 
 
 def all_gather_copy_out_reference(

@@ -26,6 +26,8 @@ def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bo
     if is_view(node) or is_op(node, c10d.wait_tensor.default):
         parent = node.args[0]
         return roots.get(parent) if isinstance(parent, fx.Node) else None
+    if "out" in node.kwargs:  # an out= op (the in-place all-gather) writes its out buffer
+        return roots.get(node.kwargs["out"])
     return node
 
 

@@ -4,8 +4,9 @@ Before: ``full = unshard(shard, ...)`` per parameter (marker ops); the bucket pl
 ``ctx.shared`` (see ``assign_buckets``).
 After, for the parameters of each bucket present in this graph (a backward graph
 re-gathers only those it needs), at the first member's place: a ``pack`` node
-(``compshard::all_gather_copy_in``: flatten, cast, zero-pad and concatenate the shards)
-and the ``all_gather_into_tensor`` start; just before the first use of any member: the
+(``compshard::all_gather_copy_in``: the gather's output buffer with this rank's slot
+holding its shards flattened, cast, zero-padded and concatenated), the view of that slot,
+and the in-place ``all_gather_into_tensor_out`` start; just before the first use of any member: the
 ``wait_tensor`` and ``unpack`` nodes (``compshard::all_gather_copy_out`` into one flat
 tensor holding the bucket's parameters back to back, then a slice and view per
 parameter). The gathered buffer and the unpacked tensor carry
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import torch
 from torch import fx
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from compshard.ops import Layout
 from compshard.passes.context import PassContext
@@ -56,10 +58,14 @@ def _lower_bucket(graph: fx.Graph, bucket, members: list[fx.Node], label: str) -
 
     for member in members[1:]:
         hoist_before(member.args[0], members[0])
+    rank = _resolve_process_group(group_name).rank()  # the slot's offset: the one rank-dependent constant
+    slot = sum(shard_numels)
     with graph.inserting_before(members[0]):
-        packed = emit(graph, compshard_ops.all_gather_copy_in.default, ([m.args[0] for m in members], shard_numels, dtype),
-                      meta=meta("pack", names, sum(shard_numels) * dtype.itemsize))
-        start = emit(graph, c10d.all_gather_into_tensor.default, (packed, world_size, group_name),
+        buffer = emit(graph, compshard_ops.all_gather_copy_in.default,
+                      ([m.args[0] for m in members], shard_numels, dtype, world_size, rank),
+                      meta=meta("pack", names, gathered_bytes))
+        packed = emit(graph, aten.slice.Tensor, (buffer, 0, rank * slot, (rank + 1) * slot), meta=meta("pack", names, 0))
+        start = emit(graph, c10d.all_gather_into_tensor_out.default, (packed, world_size, group_name), {"out": buffer},
                      meta=meta("all_gather", names, gathered_bytes))
     with graph.inserting_before(first_use(graph, members)):
         buffer = emit(graph, c10d.wait_tensor.default, (start,), meta=meta("wait", names, gathered_bytes, gathered=True))

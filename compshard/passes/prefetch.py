@@ -90,7 +90,7 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
         prefix = _compute_prefix(graph)  # moving starts shifts positions, not compute
         wait_position = order[gather["wait"]]
         during = live_bytes(graph, count_inputs)[0] if auto else {}
-        held = sum(nbytes(n.meta.get("val")) for n in gather["pack"] + [gather["start"]])
+        held = sum(nbytes(n.meta.get("val")) for n in gather["pack"] if not is_view(n))  # the gather fills it in place
         issued_at = order[(gather["pack"] + [gather["start"]])[0]]
 
         def after(d: int) -> fx.Node:
