@@ -26,6 +26,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
+from typing import Iterable
 
 from torch import fx
 
@@ -57,19 +58,21 @@ def _unit(param: str) -> str:
     return param.rpartition(".")[0]
 
 
-def repeated_block(param: str, containers: set[str]) -> str | None:
-    parts = _unit(param).split(".")
+def repeated_block(module: str, containers: set[str]) -> str | None:
+    """The outermost repeated block (``blocks.3``) that module path ``module`` lies in."""
+    parts = module.split(".")
     for i in range(1, len(parts)):
         if parts[i].isdigit() and ".".join(parts[:i]) in containers:
             return ".".join(parts[: i + 1])
     return None
 
 
-def _containers(names: list[str]) -> set[str]:
+def repeated_containers(modules: Iterable[str]) -> set[str]:
+    """Module paths with at least two numbered children among ``modules`` (``blocks``)."""
     children: dict[str, set[str]] = {}
-    for name in names:
-        for match in re.finditer(r"\.(\d+)(?=\.)", "." + _unit(name) + "."):
-            prefix = ("." + _unit(name))[: match.start()].lstrip(".")
+    for module in modules:
+        for match in re.finditer(r"\.(\d+)(?=\.)", "." + module + "."):
+            prefix = ("." + module)[: match.start()].lstrip(".")
             children.setdefault(prefix, set()).add(match.group(1))
     return {prefix for prefix, numbers in children.items() if len(numbers) >= 2}
 
@@ -92,8 +95,8 @@ def _named_groups(params: list[_Param], options) -> list[tuple[str | None, list[
     if isinstance(options.buckets, (list, tuple)):
         group_of = {p.name: _pattern_module(p.name, list(options.buckets)) for p in params}
     else:
-        containers = _containers([p.name for p in params])
-        group_of = {p.name: repeated_block(p.name, containers) for p in params}
+        containers = repeated_containers(_unit(p.name) for p in params)
+        group_of = {p.name: repeated_block(_unit(p.name), containers) for p in params}
     groups: dict[str, list[_Param]] = {}
     order: list[tuple[str | None, list[_Param]]] = []
     for param in params:
