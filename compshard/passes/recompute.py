@@ -99,6 +99,8 @@ class RecomputeNote:
 
     def describe(self) -> str:
         parts = [f"recompute {self.policy}"]
+        if self.policy in ("full", "selective") and not self.levels:
+            parts.append("no repeated blocks found: nothing tagged")
         if self.saved:
             parts.append("saved for backward: " + ", ".join(f"{kind} {n / MB:.3f} MiB" for kind, n in self.saved.items()))
         if self.budget_bytes is not None:
@@ -158,10 +160,12 @@ class _Plan:
     recompute_seconds: float
 
 
-def _walk(seeds: list[fx.Node], recompute_node: Callable[[fx.Node], bool | None], costs: Costs) -> _Plan:
+def _walk(seeds: list[fx.Node], recompute_node: Callable[[fx.Node], bool | None],
+          seconds_of: Callable[[fx.Node], float]) -> _Plan:
     """Follow what the backward needs from ``seeds``: a saved node stops the walk, a
     recomputed one needs its inputs. ``recompute_node`` is None for nodes outside the
-    policy's scope (left to the partitioner)."""
+    policy's scope (left to the partitioner). Bytes and seconds count only the nodes
+    this pass tags (not the gathered-parameter chains)."""
     saved: dict[fx.Node, None] = {}
     recomputed: dict[fx.Node, None] = {}
     outside: dict[fx.Node, None] = {}
@@ -178,16 +182,15 @@ def _walk(seeds: list[fx.Node], recompute_node: Callable[[fx.Node], bool | None]
             stack.extend(reversed(node.all_input_nodes))
         else:
             saved[node] = None
-    untagged = [n for n in saved if "recompute" not in _producer(n).meta]
-    seconds = sum(node_seconds(n, costs) for n in recomputed
-                  if "recompute" not in n.meta and n.target is not operator.getitem and not is_view(n))
-    return _Plan(list(saved), list(recomputed), list(outside), sum(nbytes(n.meta.get("val")) for n in untagged), seconds)
+    saved_bytes = sum(nbytes(n.meta.get("val")) for n in saved if "recompute" not in _producer(n).meta)
+    seconds = sum(seconds_of(n) for n in recomputed if "recompute" not in n.meta)
+    return _Plan(list(saved), list(recomputed), list(outside), saved_bytes, seconds)
 
 
 class _Policy:
     """Decides, per forward node, save or recompute, given a level per block."""
 
-    def __init__(self, forward: list[fx.Node], backward: set[fx.Node]) -> None:
+    def __init__(self, forward: list[fx.Node], backward: set[fx.Node], costs: Costs) -> None:
         self.forward = forward
         self.block_of = block_of_nodes(forward)
         self.blocks = list(dict.fromkeys(self.block_of.values()))
@@ -198,7 +201,21 @@ class _Policy:
             return any(user in forward_set and self.block_of.get(user) != block for v in values for user in v.users)
 
         self.boundary = {node for node, block in self.block_of.items() if leaves_block(node, block)}
+        for node in list(self.boundary):  # a view leaving a block is recomputed: keep its base
+            while is_view(node) and isinstance(node.args[0], fx.Node):
+                node = _producer(node.args[0])
+                self.boundary.add(node)
         self.needed = [node for node in forward if any(user in backward for user in node.users)]
+        self.costs = costs
+        self._seconds: dict[fx.Node, float] = {}
+
+    def seconds(self, node: fx.Node) -> float:
+        """Estimated seconds to recompute ``node`` (views and getitems: free)."""
+        if node.target is operator.getitem or is_view(node):
+            return 0.0
+        if node not in self._seconds:
+            self._seconds[node] = node_seconds(node, self.costs)
+        return self._seconds[node]
 
     def recompute_node(self, levels: dict[str, Level], outside: Level | None) -> Callable[[fx.Node], bool | None]:
         """The decision function for these block levels; ``outside``: the level of nodes
@@ -223,19 +240,19 @@ class _Policy:
 
         return decide
 
-    def plan(self, levels: dict[str, Level], outside: Level | None, costs: Costs) -> _Plan:
+    def plan(self, levels: dict[str, Level], outside: Level | None) -> _Plan:
         seeds = self.needed
         if outside is None:  # only blocks are ours: start from what the backward or later code needs of them
             needed = set(self.needed)
             seeds = [n for n in self.forward if n in self.block_of and (n in self.boundary or n in needed)]
-        return _walk(seeds, self.recompute_node(levels, outside), costs)
+        return _walk(seeds, self.recompute_node(levels, outside), self.seconds)
 
 
-def _budget_levels(policy: _Policy, budget_bytes: int, costs: Costs) -> tuple[dict[str, Level], _Plan]:
+def _budget_levels(policy: _Policy, budget_bytes: int) -> tuple[dict[str, Level], _Plan]:
     """Greedy: raise the block level that frees the most planned bytes per second of
     added recompute until the plan fits ``budget_bytes`` (or no raise frees bytes)."""
     levels = {block: Level.SAVE for block in policy.blocks}
-    plan = policy.plan(levels, Level.SAVE, costs)
+    plan = policy.plan(levels, Level.SAVE)
     while plan.saved_bytes > budget_bytes:
         best: tuple[float, dict[str, Level], _Plan] | None = None
         for block in policy.blocks:
@@ -243,7 +260,7 @@ def _budget_levels(policy: _Policy, budget_bytes: int, costs: Costs) -> tuple[di
                 if level <= levels[block]:
                     continue
                 trial_levels = {**levels, block: level}
-                trial = policy.plan(trial_levels, Level.SAVE, costs)
+                trial = policy.plan(trial_levels, Level.SAVE)
                 freed = plan.saved_bytes - trial.saved_bytes
                 if freed <= 0:
                     continue
@@ -279,11 +296,10 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> None:
     graph = gm.graph
     backward = _backward_nodes(graph)
     forward = [n for n in graph.nodes if n.op == "call_function" and n not in backward]
-    policy = _Policy(forward, backward)
-    costs = _group_costs(graph)
+    policy = _Policy(forward, backward, _group_costs(graph))
     if isinstance(option, dict):
         budget_bytes = int(option["budget_mb"] * MB)
-        levels, plan = _budget_levels(policy, budget_bytes, costs)
+        levels, plan = _budget_levels(policy, budget_bytes)
         note = RecomputeNote("budget", budget_bytes=budget_bytes, fits=plan.saved_bytes <= budget_bytes)
         if not note.fits:
             warnings.warn(f"compshard: recompute budget_mb={option['budget_mb']} cannot be met: the least this graph "
@@ -291,7 +307,7 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> None:
                           "recomputed); using that", stacklevel=2)
     else:
         levels = {block: Level[option.upper()] for block in policy.blocks}
-        plan = policy.plan(levels, None, costs)
+        plan = policy.plan(levels, None)
         note = RecomputeNote(option)
     _tag(plan, save_outside_inputs=not isinstance(option, dict))
     note.planned_bytes, note.recompute_seconds = plan.saved_bytes, plan.recompute_seconds
