@@ -39,8 +39,8 @@ class CompileOptions:
             choice. ``"full"``: each repeated block (``blocks.3``) keeps only its inputs
             and outputs. ``"selective"``: blocks also keep matmul and attention outputs;
             pointwise and normalization ops are recomputed. ``{"budget_mb": X}``: keep
-            at most X MB of activations per rank, choosing per block the level that
-            frees the most bytes per second of recompute.
+            at most X MB of activations per rank, raising blocks to selective or full
+            at the least estimated recompute time (a warning when it cannot fit).
         check_schedule: compare a fingerprint of every compiled schedule across ranks at
             compile time and raise on a mismatch (one small collective per graph).
         verify: check graph invariants after every pass (slower compiles; for debugging).

@@ -18,10 +18,11 @@ the blocks ``assign_buckets`` buckets by, found from ``nn_module_stack``):
   Most of ``"full"``'s saving on wide models at a fraction of its recompute FLOPs.
 - ``{"budget_mb": X}``: the whole forward. Every block starts at "save everything the
   backward needs" (no recompute), as does the code outside blocks; while the planned
-  saved activations exceed X MB, the block whose next step (to selective, or to full)
-  frees the most bytes per second of recompute (``cost_model``, the agreed constants) takes
-  it. Where even every block at full does not fit, the note says so, a warning is
-  issued and that plan is used.
+  saved activations exceed X MB, one block is raised (to selective or to full): the
+  raise that makes the plan fit at the least added recompute seconds if there is one,
+  else the one freeing the most bytes per second of recompute (``cost_model``, the
+  agreed constants). Where even every block at full does not fit, the note says so, a
+  warning is issued and that plan is used.
 
 Only nodes the backward needs (directly, or through other recomputed nodes) are tagged
 ``MUST_RECOMPUTE``: the partitioner saves the inputs of every ``MUST_RECOMPUTE`` node,
@@ -97,10 +98,15 @@ class RecomputeNote:
     levels: dict[str, str] = field(default_factory=dict)
     saved: dict[str, int] = field(default_factory=dict)
 
+    def blocks_summary(self) -> str:
+        """How many blocks are at each level (``"1 full, 1 save"``)."""
+        levels = list(self.levels.values())
+        return ", ".join(f"{levels.count(level)} {level}" for level in dict.fromkeys(levels))
+
     def describe(self) -> str:
         parts = [f"recompute {self.policy}"]
-        if self.policy in ("full", "selective") and not self.levels:
-            parts.append("no repeated blocks found: nothing tagged")
+        if self.policy != "none":
+            parts[0] += f" (blocks: {self.blocks_summary()})" if self.levels else " (no repeated blocks: nothing tagged)"
         if self.saved:
             parts.append("saved for backward: " + ", ".join(f"{kind} {n / MB:.3f} MiB" for kind, n in self.saved.items()))
         if self.budget_bytes is not None:
@@ -249,12 +255,14 @@ class _Policy:
 
 
 def _budget_levels(policy: _Policy, budget_bytes: int) -> tuple[dict[str, Level], _Plan]:
-    """Greedy: raise the block level that frees the most planned bytes per second of
-    added recompute until the plan fits ``budget_bytes`` (or no raise frees bytes)."""
+    """Greedy: raise one block's level at a time until the plan fits ``budget_bytes``.
+    A raise that makes the plan fit is preferred, the one adding the least recompute
+    seconds among those; otherwise the raise freeing the most planned bytes per added
+    second. Stops when no raise frees bytes (the budget cannot be met)."""
     levels = {block: Level.SAVE for block in policy.blocks}
     plan = policy.plan(levels, Level.SAVE)
     while plan.saved_bytes > budget_bytes:
-        best: tuple[float, dict[str, Level], _Plan] | None = None
+        best: tuple[tuple, dict[str, Level], _Plan] | None = None
         for block in policy.blocks:
             for level in Level:
                 if level <= levels[block]:
@@ -264,9 +272,10 @@ def _budget_levels(policy: _Policy, budget_bytes: int) -> tuple[dict[str, Level]
                 freed = plan.saved_bytes - trial.saved_bytes
                 if freed <= 0:
                     continue
-                ratio = freed / max(trial.recompute_seconds - plan.recompute_seconds, 1e-12)
-                if best is None or ratio > best[0]:
-                    best = (ratio, trial_levels, trial)
+                added = max(trial.recompute_seconds - plan.recompute_seconds, 1e-12)
+                rank = (trial.saved_bytes <= budget_bytes, -added if trial.saved_bytes <= budget_bytes else freed / added)
+                if best is None or rank > best[0]:
+                    best = (rank, trial_levels, trial)
         if best is None:
             break
         _, levels, plan = best
