@@ -46,7 +46,7 @@ import re
 import warnings
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Callable
+from typing import Callable, Mapping
 
 import torch
 from torch import fx
@@ -110,7 +110,7 @@ class RecomputeNote:
         if self.saved:
             parts.append("saved for backward: " + ", ".join(f"{kind} {n / MB:.3f} MiB" for kind, n in self.saved.items()))
         if self.budget_bytes is not None:
-            verdict = "fits" if self.fits else "does NOT fit (every block recomputed fully is the least)"
+            verdict = "fits" if self.fits else "does NOT fit (no further recompute frees bytes)"
             parts.append(f"budget {self.budget_bytes / MB:.3f} MiB, planned {self.planned_bytes / MB:.3f} MiB: {verdict}")
         return "; ".join(parts)
 
@@ -306,19 +306,20 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> None:
     backward = _backward_nodes(graph)
     forward = [n for n in graph.nodes if n.op == "call_function" and n not in backward]
     policy = _Policy(forward, backward, _group_costs(graph))
-    if isinstance(option, dict):
+    if isinstance(option, Mapping):
         budget_bytes = int(option["budget_mb"] * MB)
         levels, plan = _budget_levels(policy, budget_bytes)
         note = RecomputeNote("budget", budget_bytes=budget_bytes, fits=plan.saved_bytes <= budget_bytes)
         if not note.fits:
             warnings.warn(f"compshard: recompute budget_mb={option['budget_mb']} cannot be met: the least this graph "
-                          f"saves is {plan.saved_bytes / MB:.3f} MB of activations per rank (every block fully "
-                          "recomputed); using that", stacklevel=2)
+                          f"saves is {plan.saved_bytes / MB:.3f} MB of activations per rank (blocks: "
+                          f"{', '.join(level.name.lower() for level in levels.values()) or 'none found'}); using that",
+                          stacklevel=2)
     else:
         levels = {block: Level[option.upper()] for block in policy.blocks}
         plan = policy.plan(levels, None)
         note = RecomputeNote(option)
-    _tag(plan, save_outside_inputs=not isinstance(option, dict))
+    _tag(plan, save_outside_inputs=not isinstance(option, Mapping))
     note.planned_bytes, note.recompute_seconds = plan.saved_bytes, plan.recompute_seconds
     note.levels = {block: level.name.lower() for block, level in levels.items()}
     ctx.shared["recompute"] = note
