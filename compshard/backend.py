@@ -19,6 +19,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from compshard.options import CompileOptions
 from compshard.passes import PassContext, run_passes
+from compshard.passes.recompute import record_saved
 
 __all__ = ["compshard_backend", "CompiledGraph"]
 
@@ -67,11 +68,13 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     opts = CompileOptions.from_dict(options)
     run_passes(gm, PassContext(opts, "dynamo"))
 
-    shared: dict = {}  # the bucket plan, made on the joint graph, used by all three graphs
+    shared: dict = {}  # the bucket and recompute plans, made on the joint graph, used by all three graphs
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         run_passes(joint, PassContext(opts, "joint", shared=shared))
-        return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        record_saved(forward, backward, shared)
+        return forward, backward
 
     decompositions = {}
     if opts.codegen == "inductor":  # Inductor lowers graphs traced with its own decompositions

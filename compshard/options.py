@@ -35,6 +35,13 @@ class CompileOptions:
         memory_budget_mb: MB of gathered parameters that may stay gathered from forward
             to backward (saving their re-gather); ``None``: none beyond what
             ``shard(reshard_after_forward=False)`` asks. Smallest buckets are kept first.
+        recompute: which activations the backward recomputes instead of keeping them from
+            the forward (see ``passes/recompute.py``). ``"none"``: the partitioner's own
+            choice. ``"full"``: each repeated block (``blocks.3``) keeps only its inputs
+            and outputs. ``"selective"``: blocks also keep matmul and attention outputs;
+            pointwise and normalization ops are recomputed. ``{"budget_mb": X}``: keep
+            at most X MB of activations per rank, raising blocks to selective or full
+            at the least estimated recompute time (a warning when it cannot fit).
         check_schedule: compare a fingerprint of every compiled schedule across ranks at
             compile time and raise on a mismatch (one small collective per graph).
         verify: check graph invariants after every pass (slower compiles; for debugging).
@@ -46,6 +53,7 @@ class CompileOptions:
     prefetch: Any = "auto"
     max_inflight_mb: float = 256.0
     memory_budget_mb: float | None = None
+    recompute: Any = "none"
     check_schedule: bool = True
     verify: bool = False
 
@@ -96,6 +104,15 @@ def _budget(value: Any) -> str | None:
     return None if value is None or (_is_number(value) and value >= 0) else "None or a number >= 0 (MB)"
 
 
+def _recompute(value: Any) -> str | None:
+    if value in ("none", "full", "selective"):
+        return None
+    if isinstance(value, Mapping) and set(value) == {"budget_mb"} and _is_number(value["budget_mb"]) \
+            and value["budget_mb"] >= 0:
+        return None
+    return "'none', 'full', 'selective' or {'budget_mb': a number >= 0}"
+
+
 _VALIDATORS = {
     "codegen": _choice("fx", "inductor"),
     "buckets": _buckets,
@@ -103,6 +120,7 @@ _VALIDATORS = {
     "prefetch": _prefetch,
     "max_inflight_mb": _positive,
     "memory_budget_mb": _budget,
+    "recompute": _recompute,
     "check_schedule": _flag,
     "verify": _flag,
 }

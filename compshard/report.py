@@ -27,6 +27,7 @@ from compshard.options import CompileOptions
 from compshard.passes.estimate_costs import SECONDS
 from compshard.passes.estimate_memory import LIVE_BYTES
 from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY
+from compshard.passes.recompute import RecomputeNote
 from compshard.timeline import Timeline, simulate
 
 __all__ = ["Report", "inspect"]
@@ -53,6 +54,9 @@ class Report:
         timelines: graph kind -> estimated :class:`~compshard.timeline.Timeline`.
         fingerprints: graph kind -> schedule fingerprint (the same on every rank).
         peak_bytes: graph kind -> estimated peak bytes the graph allocates.
+        recompute: the recompute policy and the bytes the forward saves for the backward
+            (a :class:`~compshard.passes.recompute.RecomputeNote`; None when no joint
+            graph was compiled, e.g. for inference).
     """
 
     def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None) -> None:
@@ -61,6 +65,7 @@ class Report:
         self.peak_bytes = {g.kind: g.notes["peak_bytes"] for g in compiled}
         self.timelines: dict[str, Timeline] = {kind: simulate(gm.graph) for kind, gm in self.graphs.items()}
         self.measured_trace = measured_trace
+        self.recompute: RecomputeNote | None = compiled[0].shared.get("recompute")
         distances = {g.kind: g.notes.get("prefetch", {}) for g in compiled}
         self.buckets = [
             {"name": b.name, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered,
@@ -133,6 +138,7 @@ class Report:
             if buckets else "no buckets (one rank: nothing to gather)",
             tabulate(summary, headers=["graph", "est ms", "compute ms", "comm ms", "exposed comm ms", "peak live",
                                        "fingerprint"]),
+            *([self.recompute.describe()] if self.recompute else []),
         ])
 
     __repr__ = __str__

@@ -130,6 +130,8 @@ def test_bucket_plan_follows_blocks_patterns_sizes_and_budget():
     # the bucket used last in forward stays gathered into backward
     assert [keep for _, _, keep in plan("ln_f.weight")] == [True, False, False]
     assert [keep for _, _, keep in plan("blocks.1.fc.weight")] == [False, False, True]
+    one_rank = [_Param(p.name, p.nbytes, ("", 1, torch.float32, None), keep=False) for p in params]
+    assert not any(b.keep_gathered for b in plan_buckets(one_rank, compshard.CompileOptions(), "ln_f.weight"))
     assert len(plan(buckets="none")) == len(names)
     assert [len(p) for _, p, _ in plan(buckets=250 / 2**20)] == [2, 2, 2, 1]  # 250 bytes: two 100-byte params each
     assert [(name, len(p)) for name, p, _ in plan(buckets=["blocks.*.fc", "wte"])] == [

@@ -4,8 +4,8 @@ Each pass is ``pass_(gm, ctx) -> None``, rewriting ``gm.graph`` in place, in its
 module whose docstring states what holds before and after it.
 
   dynamo graph   dedupe_unshard
-  joint graph    drop_redundant_clones, assign_buckets, tag_gathered_params, then the
-                 min-cut partitioner
+  joint graph    drop_redundant_clones, assign_buckets, tag_gathered_params, recompute,
+                 then the min-cut partitioner
   forward        lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory,
                  check_schedule
   backward       lower_unshard, lower_reduce_grad, estimate_costs, prefetch,
@@ -32,13 +32,14 @@ from compshard.passes.insert_free import insert_free
 from compshard.passes.lower_reduce_grad import lower_reduce_grad
 from compshard.passes.lower_unshard import lower_unshard
 from compshard.passes.prefetch import prefetch
+from compshard.passes.recompute import recompute
 from compshard.passes.tag_gathered_params import tag_gathered_params
 
 Pass = Callable[[fx.GraphModule, PassContext], None]
 
 PIPELINES: dict[str, Sequence[Pass]] = {
     "dynamo": (dedupe_unshard,),
-    "joint": (drop_redundant_clones, assign_buckets, tag_gathered_params),
+    "joint": (drop_redundant_clones, assign_buckets, tag_gathered_params, recompute),
     "forward": (lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory, check_schedule),
     "backward": (lower_unshard, lower_reduce_grad, estimate_costs, prefetch, bound_reduce_scatters, insert_free,
                  estimate_memory, check_schedule),

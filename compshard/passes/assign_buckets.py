@@ -32,6 +32,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass
+from typing import Iterable
 
 from torch import fx
 
@@ -63,19 +64,21 @@ def _unit(param: str) -> str:
     return param.rpartition(".")[0]
 
 
-def repeated_block(param: str, containers: set[str]) -> str | None:
-    parts = _unit(param).split(".")
+def repeated_block(module: str, containers: set[str]) -> str | None:
+    """The outermost repeated block (``blocks.3``) that module path ``module`` lies in."""
+    parts = module.split(".")
     for i in range(1, len(parts)):
         if parts[i].isdigit() and ".".join(parts[:i]) in containers:
             return ".".join(parts[: i + 1])
     return None
 
 
-def _containers(names: list[str]) -> set[str]:
+def repeated_containers(modules: Iterable[str]) -> set[str]:
+    """Module paths with at least two numbered children among ``modules`` (``blocks``)."""
     children: dict[str, set[str]] = {}
-    for name in names:
-        for match in re.finditer(r"\.(\d+)(?=\.)", "." + _unit(name) + "."):
-            prefix = ("." + _unit(name))[: match.start()].lstrip(".")
+    for module in modules:
+        for match in re.finditer(r"\.(\d+)(?=\.)", "." + module + "."):
+            prefix = ("." + module)[: match.start()].lstrip(".")
             children.setdefault(prefix, set()).add(match.group(1))
     return {prefix for prefix, numbers in children.items() if len(numbers) >= 2}
 
@@ -98,8 +101,8 @@ def _named_groups(params: list[_Param], options) -> list[tuple[str | None, list[
     if isinstance(options.buckets, (list, tuple)):
         group_of = {p.name: _pattern_module(p.name, list(options.buckets)) for p in params}
     else:
-        containers = _containers([p.name for p in params])
-        group_of = {p.name: repeated_block(p.name, containers) for p in params}
+        containers = repeated_containers(_unit(p.name) for p in params)
+        group_of = {p.name: repeated_block(_unit(p.name), containers) for p in params}
     groups: dict[str | None, list[_Param]] = {}
     for param in params:  # dicts keep first-use order; every unnamed parameter is pooled
         groups.setdefault(group_of[param.name], []).append(param)
@@ -118,7 +121,8 @@ def _split(params: list[_Param], limit: float) -> list[list[_Param]]:
 
 def plan_buckets(params: list[_Param], options, last_in_forward: str | None = None) -> list[Bucket]:
     """Buckets in first-use order; ``last_in_forward`` is the parameter used last in
-    forward (its bucket is kept gathered), ``None`` for inference graphs."""
+    forward (its bucket is kept gathered when it spans more than one rank), ``None`` for
+    inference graphs."""
     limit = (options.buckets if isinstance(options.buckets, (int, float)) else options.bucket_mb) * MB
     groups: list[tuple[str, list[_Param]]] = []
     rest = 0
@@ -136,7 +140,8 @@ def plan_buckets(params: list[_Param], options, last_in_forward: str | None = No
             suffix = f"#{k}" if len(keys) > 1 else ""
             planned.append((name + suffix, [p for p in members if p.key == key]))
     kept = _kept_by_budget(planned, options.memory_budget_mb)
-    kept |= {name for name, members in planned if any(p.name == last_in_forward for p in members)}
+    kept |= {name for name, members in planned  # one rank gathers nothing: nothing to keep
+             if any(p.name == last_in_forward and p.key[1] > 1 for p in members)}
     return [
         Bucket(i, name, tuple(p.name for p in members), sum(p.nbytes for p in members),
                keep_gathered=name in kept or all(p.keep for p in members))

@@ -1,0 +1,170 @@
+"""Recompute benchmark: bytes saved for backward and step time of the GPT per recompute policy.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_recompute.py
+    torchrun --standalone --nproc-per-node 1 benchmarks/bench_recompute.py --budget-mb 4 --steps 4
+
+In one run, on the same machine, the same GPT (harness.make_workload: same weights, same
+global batch) is trained with compshard under each policy of the ``recompute`` option:
+"none", "selective", "full" and {"budget_mb": X} (harness.train: forward, backward, AdamW
+step; warm-up steps, where compilation happens, are not timed). X is --budget-mb, or by
+default half-way between what "full" and "none" save (measured in this run, so the
+budget is feasible and binding).
+
+Per policy: the bytes the forward saves for the backward per rank (from
+``compshard.inspect``'s ``report.recompute``: activations, gathered parameters kept
+from forward to backward, graph inputs), the per-rank peak of one forward + backward
+(harness.peak_tensor_bytes), the median step time and its ratio to "none", the final
+loss, and the plan (block levels; for a budget, whether it fits). Per-rank figures are
+the largest over ranks; the step time is the largest per-rank median.
+
+The JSON file (--out) holds the configuration, the command, torch version, device,
+world size, the load average of the machine before and after the run, and every
+number, raw step times included. On a shared CPU the step times are noisy: compare
+ratios from one run, and read the load average recorded with them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import functools
+import json
+import os
+import shlex
+import statistics
+import sys
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+
+import compshard
+from bench_step import device_name
+from compshard.models import GPTConfig
+from harness import init_distributed, make_workload, mib, progress, train, wrap_compshard
+
+FIXED_POLICIES = ("none", "selective", "full")
+
+
+def saved_for_backward(reference: torch.nn.Module, batch: tuple[torch.Tensor, ...], policy) -> dict:
+    """The recompute note of one compile under ``policy`` (compshard.inspect)."""
+    model = compshard.shard(copy.deepcopy(reference).to(batch[0].device))
+    note = compshard.inspect(model, *batch, options={"recompute": policy}).recompute
+    torch._dynamo.reset()
+    return {"saved": note.saved, "planned_bytes": note.planned_bytes, "fits": note.fits, "levels": note.levels,
+            "blocks": note.blocks_summary()}
+
+
+def measure(name: str, policy, reference, batch, args, device) -> dict:
+    """Train under ``policy`` and read what it saves; combine the ranks' figures."""
+    progress(f"{name}:")
+    result = train(name, functools.partial(wrap_compshard, recompute=policy), reference, batch,
+                   steps=args.steps, warmup=args.warmup, device=device)
+    note = saved_for_backward(reference, batch, policy)
+    per_rank: list = [None] * dist.get_world_size()
+    dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes, note["saved"]))
+    return {
+        "policy": policy,
+        "losses": result.losses,
+        "median_step_seconds": max(statistics.median(steps) for steps, _, _ in per_rank),
+        "peak_bytes": max(peak for _, peak, _ in per_rank),
+        "saved_bytes": {kind: max(saved[kind] for *_, saved in per_rank) for kind in note["saved"]},
+        "planned_bytes": note["planned_bytes"],
+        "fits": note["fits"],
+        "levels": note["levels"],
+        "blocks": note["blocks"],
+        "step_seconds_per_rank": [steps for steps, _, _ in per_rank],
+    }
+
+
+def plan_summary(row: dict) -> str:
+    text = row["blocks"] or "partitioner's choice"
+    if isinstance(row["policy"], dict):
+        text += "; fits" if row["fits"] else "; does NOT fit"
+    return text
+
+
+def table(rows: dict[str, dict]) -> list[list]:
+    base = rows["none"]["median_step_seconds"]
+    return [
+        [name, mib(row["saved_bytes"]["activations"]), mib(row["saved_bytes"]["gathered params"]),
+         mib(row["saved_bytes"]["inputs"]), mib(row["peak_bytes"]), f"{row['median_step_seconds'] * 1e3:.1f}",
+         f"{row['median_step_seconds'] / base:.2f}", f"{row['losses'][-1]:.4f}", plan_summary(row)]
+        for name, row in rows.items()
+    ]
+
+
+HEADERS = ["policy", "saved activations MiB/rank", "saved gathered params MiB", "saved inputs MiB",
+           "peak MiB/rank", "step ms", "step/none", "final loss", "plan (blocks)"]
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=8, help="timed steps per policy")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--width", type=int, default=128, help="embedding width (n_embd)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--seq", type=int, default=128, help="sequence length (block_size)")
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    parser.add_argument("--budget-mb", type=float, default=None,
+                        help="budget of the budget policy (default: half-way between full and none)")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "recompute.json",
+                        help="JSON file to write")
+    args = parser.parse_args()
+    if min(args.steps, args.warmup, args.batch, args.layers) < 1:
+        parser.error("--steps, --warmup, --batch and --layers must be at least 1")
+    if args.budget_mb is not None and args.budget_mb < 0:
+        parser.error("--budget-mb must be a number >= 0")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    load_before = os.getloadavg()
+    rank, world_size, device = init_distributed()
+    if args.batch % world_size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world_size}")
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                    n_embd=args.width)
+    reference, batch = make_workload(cfg, args.batch, rank, world_size, device)
+    progress(f"GPT {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, {world_size} ranks "
+             f"on {device.type} ({dist.get_backend()}), global batch {args.batch} x {cfg.block_size} tokens")
+    started = time.perf_counter()
+
+    rows = {policy: measure(policy, policy, reference, batch, args, device) for policy in FIXED_POLICIES}
+    budget_mb = args.budget_mb
+    if budget_mb is None:
+        full, none = (rows[p]["saved_bytes"]["activations"] for p in ("full", "none"))
+        budget_mb = round((full + none) / 2 / 2**20, 3)
+    name = f"budget {budget_mb} MB"
+    rows[name] = measure(name, {"budget_mb": budget_mb}, reference, batch, args, device)
+
+    if rank == 0:
+        print(tabulate(table(rows), headers=HEADERS))
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        record = {
+            "command": shlex.join([sys.executable, *sys.argv]),
+            "torch": torch.__version__,
+            "device": device_name(device),
+            "backend": dist.get_backend(),
+            "world_size": world_size,
+            "dtype": "fp32",
+            "config": {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+                       "budget_mb": budget_mb},
+            "load_average_before_after": [load_before, os.getloadavg()],
+            "wall_seconds": time.perf_counter() - started,
+            "results": rows,
+        }
+        args.out.write_text(json.dumps(record, indent=2) + "\n")
+        progress(f"wrote {args.out}")
+    dist.barrier()  # tear down together: rank 0 was still writing
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

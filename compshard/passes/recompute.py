@@ -1,0 +1,346 @@
+"""Joint-graph pass: the activation recompute (checkpointing) policy, as partitioner tags.
+
+Before: the joint graph, gathered-parameter chains tagged by ``tag_gathered_params``.
+After (graph unchanged): the forward nodes the policy decides on carry
+``meta["recompute"]``: ``MUST_SAVE`` (kept from forward to backward when the backward
+needs it) or ``MUST_RECOMPUTE`` (run again in the backward), so the min-cut partitioner
+produces the policy; ``ctx.shared["recompute"]`` holds the plan (:class:`RecomputeNote`),
+completed by :func:`record_saved` with what the partition really saves.
+
+Policies (``options.recompute``), on the repeated blocks of the module tree (``blocks.3``:
+the blocks ``assign_buckets`` buckets by, found from ``nn_module_stack``):
+
+- ``"none"``: no tag; the partitioner's own heuristics choose (the default).
+- ``"full"``: a block keeps only its inputs and outputs; everything else its backward
+  needs is recomputed from them. Least memory, one more forward of every block.
+- ``"selective"``: a block also keeps the outputs of compute-intensive ops (matmuls,
+  attention, convolution); pointwise, normalization, copy and view ops are recomputed.
+  Most of ``"full"``'s saving on wide models at a fraction of its recompute FLOPs.
+- ``{"budget_mb": X}``: the whole forward. Every block starts at "save everything the
+  backward needs" (no recompute), as does the code outside blocks; while the planned
+  saved activations exceed X MB, one block is raised (to selective or to full): the
+  raise that makes the plan fit at the least added recompute seconds if there is one,
+  else the one freeing the most bytes per second of recompute (``cost_model``, the
+  agreed constants). Where even every block at full does not fit, the note says so, a
+  warning is issued and that plan is used.
+
+Only nodes the backward needs (directly, or through other recomputed nodes) are tagged
+``MUST_RECOMPUTE``: the partitioner saves the inputs of every ``MUST_RECOMPUTE`` node,
+needed or not. Earlier tags (gathered parameters) are kept.
+
+Random ops (dropout) are never recomputed: their outputs (for dropout, the output and the
+mask) are saved, so the backward sees exactly the forward's values under every policy.
+Replaying them instead (the partitioner's RNG functionalization, which saves the
+generator state) would keep less, but on CPU it gives the saved state a symbolic size
+that the later passes cannot price. Views are always recomputed (free; saving one would
+keep its base alive).
+
+Decisions use only the graph, the module tree, the options and the agreed cost
+constants, so every rank tags the same nodes.
+"""
+
+from __future__ import annotations
+
+import operator
+import re
+import warnings
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Callable, Mapping
+
+import torch
+from torch import fx
+from torch.utils.checkpoint import CheckpointPolicy
+
+from compshard.cost_model import Costs, costs_for, node_seconds
+from compshard.passes.assign_buckets import MB, repeated_block, repeated_containers
+from compshard.passes.context import PassContext
+from compshard.passes.fx_utils import aten, compshard_ops, is_op, is_view, nbytes
+
+__all__ = ["RecomputeNote", "recompute", "record_saved", "block_of_nodes", "COMPUTE_INTENSIVE"]
+
+# Ops whose outputs "selective" keeps: recomputing them costs real FLOPs.
+COMPUTE_INTENSIVE = frozenset(
+    getattr(aten, name) for name in (
+        "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
+    ) if hasattr(aten, name)
+)
+
+_RECOMPUTE_TAGS = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
+
+
+class Level(IntEnum):
+    """How much of a block is recomputed; higher saves less."""
+
+    SAVE = 0
+    SELECTIVE = 1
+    FULL = 2
+
+
+@dataclass
+class RecomputeNote:
+    """What the pass planned and, after partitioning, what is saved for backward.
+
+    ``planned_bytes``: activations the plan saves (budget mode: the figure the budget is
+    checked against; other policies: the tagged blocks only). ``levels``: block ->
+    ``"save"``, ``"selective"`` or ``"full"``. ``saved``: after the partition, bytes
+    saved for backward by kind: ``"activations"``, ``"gathered params"`` (kept
+    ``unshard`` outputs) and ``"inputs"`` (graph inputs: shards, buffers, the batch).
+    """
+
+    policy: str
+    budget_bytes: int | None = None
+    planned_bytes: int = 0
+    recompute_seconds: float = 0.0
+    fits: bool = True
+    levels: dict[str, str] = field(default_factory=dict)
+    saved: dict[str, int] = field(default_factory=dict)
+
+    def blocks_summary(self) -> str:
+        """How many blocks are at each level (``"1 full, 1 save"``)."""
+        levels = list(self.levels.values())
+        return ", ".join(f"{levels.count(level)} {level}" for level in dict.fromkeys(levels))
+
+    def describe(self) -> str:
+        parts = [f"recompute {self.policy}"]
+        if self.policy != "none":
+            parts[0] += f" (blocks: {self.blocks_summary()})" if self.levels else " (no repeated blocks: nothing tagged)"
+        if self.saved:
+            parts.append("saved for backward: " + ", ".join(f"{kind} {n / MB:.3f} MiB" for kind, n in self.saved.items()))
+        if self.budget_bytes is not None:
+            verdict = "fits" if self.fits else "does NOT fit (no further recompute frees bytes)"
+            parts.append(f"budget {self.budget_bytes / MB:.3f} MiB, planned {self.planned_bytes / MB:.3f} MiB: {verdict}")
+        return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------ graph facts
+
+
+def _module_path(node: fx.Node) -> str | None:
+    """The innermost module ``node`` was traced in, as a dotted path from the compiled root."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    return re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", path)
+
+
+def block_of_nodes(nodes: list[fx.Node]) -> dict[fx.Node, str]:
+    """Node -> the repeated block it was traced in (nodes outside blocks are absent)."""
+    paths = {node: path for node in nodes if (path := _module_path(node)) is not None}
+    containers = repeated_containers(paths.values())
+    return {node: block for node, path in paths.items() if (block := repeated_block(path, containers))}
+
+
+def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes that depend on a tangent or that AOTAutograd tagged as backward."""
+    backward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or \
+                node.meta.get("partitioner_tag") == "is_backward" or any(n in backward for n in node.all_input_nodes):
+            backward.add(node)
+    return backward
+
+
+def _is_random(node: fx.Node) -> bool:
+    return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
+
+
+def _producer(node: fx.Node) -> fx.Node:
+    """The node that computes ``node``'s value: the op behind a getitem."""
+    return node.args[0] if node.target is operator.getitem else node
+
+
+# ----------------------------------------------------------------------------- plans
+
+
+@dataclass
+class _Plan:
+    saved: list[fx.Node]
+    recomputed: list[fx.Node]
+    outside_inputs: list[fx.Node]  # out-of-scope nodes a recomputed block node reads
+    saved_bytes: int
+    recompute_seconds: float
+
+
+def _walk(seeds: list[fx.Node], recompute_node: Callable[[fx.Node], bool | None],
+          seconds_of: Callable[[fx.Node], float]) -> _Plan:
+    """Follow what the backward needs from ``seeds``: a saved node stops the walk, a
+    recomputed one needs its inputs. ``recompute_node`` is None for nodes outside the
+    policy's scope (left to the partitioner). Bytes and seconds count only the nodes
+    this pass tags (not the gathered-parameter chains)."""
+    saved: dict[fx.Node, None] = {}
+    recomputed: dict[fx.Node, None] = {}
+    outside: dict[fx.Node, None] = {}
+    stack = list(reversed(seeds))
+    while stack:
+        node = stack.pop()
+        if node.op != "call_function" or node in saved or node in recomputed or node in outside:
+            continue
+        decision = recompute_node(node)
+        if decision is None:
+            outside[node] = None
+        elif decision:
+            recomputed[node] = None
+            stack.extend(reversed(node.all_input_nodes))
+        else:
+            saved[node] = None
+    saved_bytes = sum(nbytes(n.meta.get("val")) for n in saved if "recompute" not in _producer(n).meta)
+    seconds = sum(seconds_of(n) for n in recomputed if "recompute" not in n.meta)
+    return _Plan(list(saved), list(recomputed), list(outside), saved_bytes, seconds)
+
+
+class _Policy:
+    """Decides, per forward node, save or recompute, given a level per block."""
+
+    def __init__(self, forward: list[fx.Node], backward: set[fx.Node], costs: Costs) -> None:
+        self.forward = forward
+        self.block_of = block_of_nodes(forward)
+        self.blocks = list(dict.fromkeys(self.block_of.values()))
+        forward_set = set(forward)
+
+        def leaves_block(node: fx.Node, block: str) -> bool:
+            values = [user for user in node.users if user.target is operator.getitem] or [node]
+            return any(user in forward_set and self.block_of.get(user) != block for v in values for user in v.users)
+
+        self.boundary = {node for node, block in self.block_of.items() if leaves_block(node, block)}
+        for node in list(self.boundary):  # a view leaving a block is recomputed: keep its base
+            while is_view(node) and isinstance(node.args[0], fx.Node):
+                node = _producer(node.args[0])
+                self.boundary.add(node)
+        self.needed = [node for node in forward if any(user in backward for user in node.users)]
+        self.costs = costs
+        self._seconds: dict[fx.Node, float] = {}
+
+    def seconds(self, node: fx.Node) -> float:
+        """Estimated seconds to recompute ``node`` (views and getitems: free)."""
+        if node.target is operator.getitem or is_view(node):
+            return 0.0
+        if node not in self._seconds:
+            self._seconds[node] = node_seconds(node, self.costs)
+        return self._seconds[node]
+
+    def recompute_node(self, levels: dict[str, Level], outside: Level | None) -> Callable[[fx.Node], bool | None]:
+        """The decision function for these block levels; ``outside``: the level of nodes
+        in no block (None: outside the scope, left to the partitioner)."""
+
+        def decide(node: fx.Node) -> bool | None:
+            producer = _producer(node)
+            tag = producer.meta.get("recompute")
+            if tag is not None:
+                return tag in _RECOMPUTE_TAGS
+            block = self.block_of.get(producer)
+            level = levels[block] if block is not None else outside
+            if level is None:
+                return None
+            if is_view(producer):
+                return True
+            if level == Level.SAVE or producer in self.boundary or _is_random(producer):
+                return False
+            if level == Level.SELECTIVE:
+                return getattr(producer.target, "overloadpacket", None) not in COMPUTE_INTENSIVE
+            return True
+
+        return decide
+
+    def plan(self, levels: dict[str, Level], outside: Level | None) -> _Plan:
+        seeds = self.needed
+        if outside is None:  # only blocks are ours: start from what the backward or later code needs of them
+            needed = set(self.needed)
+            seeds = [n for n in self.forward if n in self.block_of and (n in self.boundary or n in needed)]
+        return _walk(seeds, self.recompute_node(levels, outside), self.seconds)
+
+
+def _budget_levels(policy: _Policy, budget_bytes: int) -> tuple[dict[str, Level], _Plan]:
+    """Greedy: raise one block's level at a time until the plan fits ``budget_bytes``.
+    A raise that makes the plan fit is preferred, the one adding the least recompute
+    seconds among those; otherwise the raise freeing the most planned bytes per added
+    second. Stops when no raise frees bytes (the budget cannot be met)."""
+    levels = {block: Level.SAVE for block in policy.blocks}
+    plan = policy.plan(levels, Level.SAVE)
+    while plan.saved_bytes > budget_bytes:
+        best: tuple[tuple, dict[str, Level], _Plan] | None = None
+        for block in policy.blocks:
+            for level in Level:
+                if level <= levels[block]:
+                    continue
+                trial_levels = {**levels, block: level}
+                trial = policy.plan(trial_levels, Level.SAVE)
+                freed = plan.saved_bytes - trial.saved_bytes
+                if freed <= 0:
+                    continue
+                added = max(trial.recompute_seconds - plan.recompute_seconds, 1e-12)
+                rank = (trial.saved_bytes <= budget_bytes, -added if trial.saved_bytes <= budget_bytes else freed / added)
+                if best is None or rank > best[0]:
+                    best = (rank, trial_levels, trial)
+        if best is None:
+            break
+        _, levels, plan = best
+    return levels, plan
+
+
+def _group_costs(graph: fx.Graph) -> Costs:
+    for node in graph.nodes:
+        if is_op(node, compshard_ops.unshard.default) and node.args[3]:
+            return costs_for(node.args[3])
+    return Costs()
+
+
+def _tag(plan: _Plan, save_outside_inputs: bool) -> None:
+    """Tag the plan; tags set by earlier passes win."""
+    for node in plan.recomputed:
+        node.meta.setdefault("recompute", CheckpointPolicy.MUST_RECOMPUTE)
+    inputs = [n for n in plan.outside_inputs if not is_view(_producer(n))] if save_outside_inputs else []
+    for node in plan.saved + inputs:
+        _producer(node).meta.setdefault("recompute", CheckpointPolicy.MUST_SAVE)
+
+
+def recompute(gm: fx.GraphModule, ctx: PassContext) -> None:
+    option = ctx.options.recompute
+    if option == "none":
+        return
+    graph = gm.graph
+    backward = _backward_nodes(graph)
+    forward = [n for n in graph.nodes if n.op == "call_function" and n not in backward]
+    policy = _Policy(forward, backward, _group_costs(graph))
+    if isinstance(option, Mapping):
+        budget_bytes = int(option["budget_mb"] * MB)
+        levels, plan = _budget_levels(policy, budget_bytes)
+        note = RecomputeNote("budget", budget_bytes=budget_bytes, fits=plan.saved_bytes <= budget_bytes)
+        if not note.fits:
+            warnings.warn(f"compshard: recompute budget_mb={option['budget_mb']} cannot be met: the least this graph "
+                          f"saves is {plan.saved_bytes / MB:.3f} MB of activations per rank (blocks: "
+                          f"{', '.join(level.name.lower() for level in levels.values()) or 'none found'}); using that",
+                          stacklevel=2)
+    else:
+        levels = {block: Level[option.upper()] for block in policy.blocks}
+        plan = policy.plan(levels, None)
+        note = RecomputeNote(option)
+    _tag(plan, save_outside_inputs=not isinstance(option, Mapping))
+    note.planned_bytes, note.recompute_seconds = plan.saved_bytes, plan.recompute_seconds
+    note.levels = {block: level.name.lower() for block, level in levels.items()}
+    ctx.shared["recompute"] = note
+
+
+def record_saved(forward: fx.GraphModule, backward: fx.GraphModule, shared: dict) -> None:
+    """After the partition: bytes the forward saves for the backward, by kind, into the
+    note (a note for ``"none"`` is made here). Saved values are the backward's inputs
+    other than tangents; each has the name of the forward node that produced it."""
+    produced = {node.name: node for node in forward.graph.nodes}
+    saved = {"activations": 0, "gathered params": 0, "inputs": 0}
+    for node in backward.graph.find_nodes(op="placeholder"):
+        source = produced.get(node.name)
+        if node.name.startswith("tangents") or source is None or not isinstance(source.meta.get("val"), torch.Tensor):
+            continue
+        if source.op == "placeholder":
+            kind = "inputs"
+        elif is_op(source, compshard_ops.unshard.default):
+            kind = "gathered params"
+        else:
+            kind = "activations"
+        saved[kind] += nbytes(source.meta["val"])
+    note = shared.setdefault("recompute", RecomputeNote("none"))
+    note.saved = saved
