@@ -19,7 +19,8 @@ those two entries with DCP reads and writes the same checkpoints, either way rou
 from __future__ import annotations
 
 import os
-from typing import Any, Mapping
+import warnings
+from typing import Any, Callable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -32,7 +33,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.utils._pytree import tree_map_only
+from torch.distributed.tensor import DTensor
+from torch.utils._pytree import tree_map, tree_map_only
 
 from compshard.sharding import full_state_dict, parameters_at_rest
 
@@ -51,7 +53,7 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     """
     module = _check_arguments("save", module, optimizer)
     _check_path("save", path)
-    dcp.save(_sharded_state(module, optimizer), checkpoint_id=path, no_dist=not _distributed())
+    dcp.save(_sharded_state(module, optimizer), checkpoint_id=path)
 
 
 def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -65,7 +67,10 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     module = _check_arguments("load", module, optimizer)
     _check_path("load", path)
     state = _sharded_state(module, optimizer)
-    dcp.load(state, checkpoint_id=path, no_dist=not _distributed())
+    with warnings.catch_warnings():
+        # one process without a process group is a supported setup, not a mistake to warn of
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        dcp.load(state, checkpoint_id=path)
     _set_state(module, optimizer, state, StateDictOptions())
 
 
@@ -112,7 +117,23 @@ def set_full_state_dict(
     else:
         _check_full_state(state_dict, optimizer)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
-    _set_state(module, optimizer, dict(state_dict), options)
+    _set_state(module, optimizer, _unaliased(state_dict), options)
+
+
+def _unaliased(state_dict: Mapping[str, Any]) -> StateDict:
+    """A copy that loading cannot change and that the loaded state does not share.
+
+    torch.distributed.checkpoint rewrites the dicts it loads from, and keeps the very
+    tensors it is given where no slicing happens: 0-d ones, and all of them without a
+    process group (plain tensors); the optimizer would then update the caller's tensors
+    in place. Only those are copied, so a rank holding the full state does not hold it
+    twice.
+    """
+    copy_all = not _distributed()
+    return tree_map(
+        lambda leaf: leaf.detach().clone() if torch.is_tensor(leaf) and (copy_all or leaf.dim() == 0) else leaf,
+        dict(state_dict),
+    )
 
 
 def _distributed() -> bool:
@@ -132,8 +153,37 @@ def _set_state(
 ) -> None:
     with parameters_at_rest(module):
         set_model_state_dict(module, state[MODEL_KEY], options=options)
-        if optimizer is not None:
-            set_optimizer_state_dict(module, optimizer, state[OPTIMIZER_KEY], options=options)
+        if optimizer is None:
+            return
+        get_optimizer_state_dict(module, optimizer)  # creates the state if there is none yet
+        restore_types = _type_restorer(optimizer)
+        set_optimizer_state_dict(module, optimizer, state[OPTIMIZER_KEY], options=options)
+    restore_types()
+
+
+def _type_restorer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
+    """A function that gives the optimizer back the types it has now, after a load.
+
+    Loading a full state dict, torch.distributed.checkpoint hands back 0-d state
+    entries as plain tensors (FSDP2 has no 0-d parameters; compshard replicates them
+    as DTensors, and their state must match) and tuples in ``param_groups`` (AdamW's
+    ``betas``) as lists.
+    """
+    replicated = {(param, key): value for param, entries in optimizer.state.items()
+                  for key, value in entries.items() if isinstance(value, DTensor) and value.dim() == 0}
+    tuples = [[key for key, value in group.items() if isinstance(value, tuple)] for group in optimizer.param_groups]
+
+    def restore() -> None:
+        for (param, key), before in replicated.items():
+            value = optimizer.state[param][key]
+            if not isinstance(value, DTensor):
+                optimizer.state[param][key] = DTensor.from_local(
+                    value.to(before.device), before.device_mesh, before.placements, run_check=False)
+        for group, keys in zip(optimizer.param_groups, tuples):
+            for key in keys:
+                group[key] = tuple(group[key])
+
+    return restore
 
 
 # ------------------------------------------------------------------------ argument checks
