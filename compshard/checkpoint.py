@@ -18,9 +18,10 @@ those two entries with DCP reads and writes the same checkpoints, either way rou
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -53,7 +54,8 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     """
     module = _check_arguments("save", module, optimizer)
     _check_path("save", path)
-    dcp.save(_sharded_state(module, optimizer), checkpoint_id=path)
+    with _no_single_process_warning():
+        dcp.save(_sharded_state(module, optimizer), checkpoint_id=path)
 
 
 def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -67,9 +69,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     module = _check_arguments("load", module, optimizer)
     _check_path("load", path)
     state = _sharded_state(module, optimizer)
-    with warnings.catch_warnings():
-        # one process without a process group is a supported setup, not a mistake to warn of
-        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+    with _no_single_process_warning():
         dcp.load(state, checkpoint_id=path)
     _set_state(module, optimizer, state, StateDictOptions())
 
@@ -134,6 +134,14 @@ def _unaliased(state_dict: Mapping[str, Any]) -> StateDict:
         lambda leaf: leaf.detach().clone() if torch.is_tensor(leaf) and (copy_all or leaf.dim() == 0) else leaf,
         dict(state_dict),
     )
+
+
+@contextlib.contextmanager
+def _no_single_process_warning() -> Iterator[None]:
+    """DCP warns when there is no process group; for compshard that is a supported setup."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "torch.distributed is disabled, unavailable or uninitialized")
+        yield
 
 
 def _distributed() -> bool:
