@@ -92,7 +92,7 @@ def get_full_state_dict(
         options = StateDictOptions(full_state_dict=True, cpu_offload=rank0_only)
         with parameters_at_rest(module):
             optimizer_state = get_optimizer_state_dict(module, optimizer, options=options)
-        state[OPTIMIZER_KEY] = tree_map_only(torch.Tensor, lambda t: t.to("cpu", copy=True), optimizer_state)
+        state[OPTIMIZER_KEY] = tree_map_only(torch.Tensor, lambda t: t.to("cpu"), _unshared(optimizer_state))
     return {} if rank0_only and _distributed() and dist.get_rank() != 0 else state
 
 
@@ -117,17 +117,18 @@ def set_full_state_dict(
     else:
         _check_full_state(state_dict, optimizer)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
-    _set_state(module, optimizer, _unaliased(state_dict), options)
+    _set_state(module, optimizer, _unshared(state_dict), options)
 
 
-def _unaliased(state_dict: Mapping[str, Any]) -> StateDict:
-    """A copy that loading cannot change and that the loaded state does not share.
+def _unshared(state_dict: Mapping[str, Any]) -> StateDict:
+    """A copy of ``state_dict`` that shares neither containers nor live tensors.
 
-    torch.distributed.checkpoint rewrites the dicts it loads from, and keeps the very
-    tensors it is given where no slicing happens: 0-d ones, and all of them without a
-    process group (plain tensors); the optimizer would then update the caller's tensors
-    in place. Only those are copied, so a rank holding the full state does not hold it
-    twice.
+    torch.distributed.checkpoint's state-dict functions pass through the very tensors
+    they are given (or hold) where nothing is gathered or sliced: 0-d ones, and all of
+    them without a process group (plain tensors). Those are copied, so that training
+    on does not change a state dict taken or loaded from, and loading does not change
+    the caller's dicts; gathered and sliced tensors are new already and are not copied
+    again, so a rank holding the full state never holds it twice.
     """
     copy_all = not _distributed()
     return tree_map(
@@ -201,7 +202,8 @@ def _check_arguments(function: str, module: Any, optimizer: Any) -> nn.Module:
     """The module to work on (a ``torch.compile`` wrapper is looked through)."""
     if not isinstance(module, nn.Module):
         raise TypeError(f"compshard.checkpoint.{function}: module must be an nn.Module, got {type(module).__name__}")
-    module = getattr(module, "_orig_mod", module) if isinstance(module, torch._dynamo.eval_frame.OptimizedModule) else module
+    if isinstance(module, torch._dynamo.eval_frame.OptimizedModule):
+        module = module._orig_mod
     if optimizer is None:
         return module
     if not isinstance(optimizer, torch.optim.Optimizer):

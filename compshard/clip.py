@@ -106,6 +106,8 @@ def _check_arguments(module: Any, max_norm: Any, norm_type: Any, error_if_nonfin
     if isinstance(max_norm, bool) or not isinstance(max_norm, number) or not max_norm >= 0:
         raise ValueError(f"compshard.clip_grad_norm_: max_norm must be a number >= 0, got {max_norm!r}")
     if isinstance(norm_type, bool) or not isinstance(norm_type, number) or not norm_type > 0:
-        raise ValueError(f"compshard.clip_grad_norm_: norm_type must be a number > 0 or float('inf'), got {norm_type!r}")
+        raise ValueError(
+            f"compshard.clip_grad_norm_: norm_type must be a number > 0 or float('inf'), got {norm_type!r}")
     if not isinstance(error_if_nonfinite, bool):
-        raise TypeError(f"compshard.clip_grad_norm_: error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
+        raise TypeError(
+            f"compshard.clip_grad_norm_: error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")

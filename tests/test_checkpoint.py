@@ -236,11 +236,12 @@ def test_resume_in_one_process(saved, root, references, name, writer):
 
 def test_full_state_dict_round_trip_in_one_process(saved, references):
     model, optimizer = _fresh_compshard("gpt")
-    full = saved[0]["gpt", "full"]
-    checkpoint.set_full_state_dict(model, full, optimizer, from_rank0=True)
-    _assert_state_matches(checkpoint.get_full_state_dict(model, optimizer, rank0_only=False), references["gpt"]["saved"])
+    loaded = saved[0]["gpt", "full"]
+    checkpoint.set_full_state_dict(model, loaded, optimizer, from_rank0=True)
+    taken = checkpoint.get_full_state_dict(model, optimizer, rank0_only=False)
     _assert_matches_uninterrupted(_resume(model, optimizer, "gpt", 0, 1), references["gpt"], "full")
-    _assert_state_matches(full, references["gpt"]["saved"])  # training on did not change the dict loaded from
+    for state in (loaded, taken):  # training on changed neither the dict loaded from nor the one taken
+        _assert_state_matches(state, references["gpt"]["saved"])
 
 
 # ---------------------------------------------------------------------- argument errors
