@@ -9,7 +9,9 @@ from __future__ import annotations
 import torch
 
 from compshard import ops  # noqa: F401  (registers the compshard:: custom ops)
+from compshard import checkpoint
 from compshard.backend import compshard_backend
+from compshard.clip import clip_grad_norm_
 from compshard.options import CompileOptions
 from compshard.passes import ScheduleError
 from compshard.pipeline import Pipeline, PipelineReport, pipeline
@@ -22,4 +24,4 @@ if "compshard" not in torch._dynamo.list_backends(exclude_tags=()):
     torch._dynamo.register_backend(compshard_backend, name="compshard")
 
 __all__ = ["shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError", "compshard_backend",
-           "pipeline", "Pipeline", "PipelineReport"]
+           "pipeline", "Pipeline", "PipelineReport", "checkpoint", "clip_grad_norm_"]

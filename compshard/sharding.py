@@ -14,7 +14,9 @@ is registered under every name the original was.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 import torch.distributed as dist
@@ -24,7 +26,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from compshard import cost_model, ops
 
-__all__ = ["shard", "full_state_dict", "ParamSpec", "param_specs", "is_sharded"]
+__all__ = ["shard", "full_state_dict", "ParamSpec", "param_specs", "is_sharded", "parameters_at_rest"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -76,6 +78,26 @@ def _install_properties(module: nn.Module, names: tuple[str, ...]) -> None:
         attrs = {name: _sharded_property(name) for name in names}
         _SHARDED_CLASSES[key] = type(f"Sharded{base.__name__}", (base,), attrs)
     module.__class__ = _SHARDED_CLASSES[key]
+
+
+@contextlib.contextmanager
+def parameters_at_rest(module: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, ``module.<name>`` returns the stored shard Parameter (no gather).
+
+    For code that walks a model by ``getattr`` outside forward, such as
+    ``torch.distributed.checkpoint.state_dict``, which would otherwise all-gather every
+    parameter it names. The sharded modules get their classes back on exit; nothing
+    else changes, so compiled code stays valid.
+    """
+    sharded_classes = set(_SHARDED_CLASSES.values())
+    swapped = [(sub, type(sub)) for sub in module.modules() if type(sub) in sharded_classes]
+    for sub, cls in swapped:
+        sub.__class__ = cls.__bases__[0]
+    try:
+        yield module
+    finally:
+        for sub, cls in swapped:
+            sub.__class__ = cls
 
 
 def _check_dtype(option: str, value: torch.dtype | None) -> None:

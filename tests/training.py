@@ -31,12 +31,23 @@ def local_batch(batch: tuple[torch.Tensor, ...], rank: int, world_size: int) -> 
     return tuple(t.chunk(world_size)[rank] for t in batch)
 
 
-def train_reference(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int = STEPS) -> list[float]:
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
+def adamw(model: nn.Module) -> torch.optim.Optimizer:
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
+
+
+def train_reference(
+    model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int = STEPS, *,
+    optimizer: torch.optim.Optimizer | None = None, max_grad_norm: float | None = None,
+) -> list[float]:
+    """Eager training of the unsharded model (with ``optimizer``, a new AdamW when None;
+    gradients clipped by torch when ``max_grad_norm`` is given); return the losses."""
+    opt = optimizer if optimizer is not None else adamw(model)
     losses = []
     for _ in range(steps):
         loss = model(*batch)
         loss.backward()
+        if max_grad_norm is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -46,14 +57,19 @@ def train_reference(model: nn.Module, batch: tuple[torch.Tensor, ...], steps: in
 def train_sharded(
     model: nn.Module, batch: tuple[torch.Tensor, ...], rank: int, world_size: int, *,
     compile_options: dict | None = None, compiled: bool = True, steps: int = STEPS,
+    optimizer: torch.optim.Optimizer | None = None, max_grad_norm: float | None = None,
 ) -> tuple[list[float], torch.optim.Optimizer]:
-    """Train an already sharded model on this rank's slice; return global-mean losses."""
+    """Train an already sharded model on this rank's slice (with ``optimizer``, a new
+    AdamW when None; gradients clipped by compshard when ``max_grad_norm`` is given);
+    return global-mean losses and the optimizer."""
     step_model: Callable = torch.compile(model, backend="compshard", options=compile_options) if compiled else model
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], **ADAMW)
+    opt = optimizer if optimizer is not None else adamw(model)
     losses = []
     for _ in range(steps):
         loss = step_model(*local_batch(batch, rank, world_size))
         loss.backward()
+        if max_grad_norm is not None:
+            compshard.clip_grad_norm_(model, max_grad_norm)
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -68,7 +84,7 @@ def parity(name: str, rank: int, world_size: int, **shard_kwargs) -> dict:
     """Max relative errors of losses and final parameters, sharded vs. eager truth."""
     reference, batch = make_model(name)
     sharded = compshard.shard(copy.deepcopy(reference), **shard_kwargs.pop("shard", {}))
-    expected_losses = train_reference(reference, batch)
+    expected_losses = train_reference(reference, batch, max_grad_norm=shard_kwargs.get("max_grad_norm"))
     losses, opt = train_sharded(sharded, batch, rank, world_size, **shard_kwargs)
     full = compshard.full_state_dict(sharded)
     expected = reference.state_dict()
