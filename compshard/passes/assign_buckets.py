@@ -12,7 +12,7 @@ runs of consecutive first use of at most ``bucket_mb``; a list of ``fnmatch`` pa
 makes one bucket per matching module (the shortest matching prefix of a parameter's
 module path), the rest as ``"auto"`` does; a number is a size target for all
 parameters; ``"none"`` keeps one parameter per bucket. A bucket never mixes collective
-keys (process group, gather dtype, reduce dtype): it is split by key, in order.
+keys (process groups, gather dtype, reduce dtype): it is split by key, in order.
 
 Memory budget: with ``memory_budget_mb`` the smallest buckets whose gathered bytes fit
 the budget (in total) stay gathered from forward to backward (``keep_gathered``), as do
@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from compshard.ops import Layout
+from compshard.ops import Layout, UnshardArgs
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import compshard_ops, is_op
 
@@ -174,11 +174,12 @@ def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         if not is_op(node, compshard_ops.unshard.default):
             continue
-        _, full_shape, world_size, group_name, name, _, reduce_dtype, reshard = node.args
+        args = UnshardArgs(*node.args)
         dtype = node.meta["val"].dtype
-        layout = Layout(tuple(full_shape), world_size, rank=0)
-        nbytes = world_size * layout.padded_shard_numel * dtype.itemsize
-        params.append(_Param(name, nbytes, (group_name, world_size, dtype, reduce_dtype), keep=not reshard))
+        layout = Layout(tuple(args.full_shape), args.world_size, rank=0)
+        nbytes = args.world_size * layout.padded_shard_numel * dtype.itemsize
+        key = (args.group_name, args.world_size, dtype, args.reduce_dtype, args.replicate_group)
+        params.append(_Param(args.param, nbytes, key, keep=not args.reshard_after_forward))
     buckets = plan_buckets(params, ctx.options)
     ctx.shared["buckets"] = buckets
     ctx.shared["bucket_of"] = {param: bucket for bucket in buckets for param in bucket.params}
