@@ -14,6 +14,7 @@ is registered under every name the original was.
 
 from __future__ import annotations
 
+import functools
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -228,11 +229,11 @@ def _install_casts(module: nn.Module, config: ShardingConfig) -> None:
     """Forward hooks of the root module, as FSDP2 does for its root: floating inputs to
     ``param_dtype`` (``cast_forward_inputs``), floating outputs to ``output_dtype``."""
     if config.cast_forward_inputs and config.param_dtype is not None:
-        dtype = config.param_dtype
-        module.register_forward_pre_hook(lambda _, args, kwargs: _cast_floats(dtype, (args, kwargs)), with_kwargs=True)
+        cast_inputs = functools.partial(_cast_floats, config.param_dtype)
+        module.register_forward_pre_hook(lambda _, args, kwargs: cast_inputs((args, kwargs)), with_kwargs=True)
     if config.output_dtype is not None:
-        dtype = config.output_dtype
-        module.register_forward_hook(lambda _, args, output: _cast_floats(dtype, output))
+        cast_output = functools.partial(_cast_floats, config.output_dtype)
+        module.register_forward_hook(lambda _, args, output: cast_output(output))
 
 
 def shard(
@@ -354,11 +355,14 @@ def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, 
     else:
         start, stop = layout.local_rows
         local = data[start:stop].clone()
-    if spec.compute_device is not None:
-        local = local.cpu().pin_memory()
     if mesh is not None:
         placements = [Replicate()] * mesh.ndim if layout.replicated else list(groups.placements)
-        local = DTensor.from_local(local, mesh, placements, run_check=False, shape=data.shape, stride=data.stride())
+        sharded = DTensor.from_local(local, mesh, placements, run_check=False, shape=data.shape, stride=data.stride())
+        if spec.compute_device is not None:  # from_local would move a CPU shard to the mesh's device
+            sharded = DTensor(local.cpu().pin_memory(), sharded._spec, requires_grad=False)
+        return nn.Parameter(sharded, requires_grad=param.requires_grad)
+    if spec.compute_device is not None:
+        local = local.cpu().pin_memory()
     return nn.Parameter(local, requires_grad=param.requires_grad)
 
 
