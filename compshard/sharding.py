@@ -1,9 +1,16 @@
 """``shard``: replace a module's parameters by this rank's ``Shard(0)`` rows, in place.
 
 At rest each parameter is an ``nn.Parameter`` wrapping a DTensor placed ``Shard(0)`` on a
-1-D mesh (``Replicate()`` for 0-d parameters), so torch optimizers, ``clip_grad_norm_``
-and ``torch.distributed.checkpoint`` see ordinary DTensors. With no process group
-initialized the world is one rank and parameters stay plain tensors.
+1-D mesh (``Replicate()`` for 0-d parameters; ``(Replicate(), Shard(0))`` on the 2-D mesh
+of ``"hybrid_shard"``; ``Replicate()`` under ``"no_shard"``), so torch optimizers,
+``clip_grad_norm_`` and ``torch.distributed.checkpoint`` see ordinary DTensors. With no
+process group initialized the world is one rank and parameters stay plain tensors.
+
+Strategies reduce to two process groups per parameter: the *shard group* its rows are
+split over and gathered within (one rank for ``"no_shard"``), and the *replica group*
+its reduced gradient is all-reduced across afterwards (none for ``"full_shard"`` and
+``"shard_grad_op"``). ``"shard_grad_op"`` is ``"full_shard"`` with gathered parameters kept
+from forward to backward.
 
 Every read of ``module.<name>`` goes through ``compshard::unshard`` (a class-level property
 installed on a per-class subclass), so Dynamo captures one unshard per access and eager

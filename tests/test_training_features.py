@@ -7,6 +7,7 @@ One spawn per world size (2, and 4 for hybrid sharding); the tests read its resu
 
 from __future__ import annotations
 
+import contextlib
 import copy
 
 import pytest
@@ -75,7 +76,6 @@ MP_CASES = {  # name: (model, compiled, output_dtype, buffer_dtype)
     "mlp-compiled": ("mlp", True, None, None),
     "mlp-eager": ("mlp", False, None, None),
     "gpt-compiled": ("gpt", True, None, None),
-    "gpt-eager": ("gpt", False, None, None),
     "mlp-output-fp32": ("mlp", True, torch.float32, None),
     "buffer-bf16": ("mlp-buffer", True, None, BF16),
 }
@@ -150,10 +150,18 @@ MICRO_BATCHES = 4
 ACCUMULATION_STEPS = 2
 
 
+def _reductions_compiled(graphs: list) -> int:
+    """Gradient reductions (reduce-scatter and all-reduce starts) in compiled graphs."""
+    return sum(1 for g in graphs for node in g.gm.graph.nodes
+               if node.meta.get("compshard", {}).get("kind") in ("reduce_scatter", "all_reduce"))
+
+
 def _accumulate(name: str, rank: int, world_size: int, compiled: bool) -> dict:
     """``ACCUMULATION_STEPS`` optimizer steps, each over ``MICRO_BATCHES`` micro-batches of
     this rank's slice (all but the last under ``no_sync``), against the unsharded model
-    trained on the whole batch at once."""
+    trained on the whole batch at once. Collectives are counted by a dispatch mode when
+    eager, and read from the graphs compiled in each phase when compiled (Dynamo does not
+    compile under a dispatch mode)."""
     reference, batch = make_model(name)
     model = compshard.shard(copy.deepcopy(reference))
     expected_losses = train_reference(reference, batch, steps=ACCUMULATION_STEPS)
@@ -167,34 +175,42 @@ def _accumulate(name: str, rank: int, world_size: int, compiled: bool) -> dict:
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     local = local_batch(batch, rank, world_size)
     micro = [tuple(t.chunk(MICRO_BATCHES)[i] for t in local) for i in range(MICRO_BATCHES)]
-    losses, unsynced, synced, grads_during_no_sync = [], CollectiveCounter(), CollectiveCounter(), []
-    for _ in range(ACCUMULATION_STEPS):
-        loss = 0.0
-        with compshard.no_sync(model), unsynced:
-            for inputs in micro[:-1]:
+    losses, grads_during_no_sync = [], []
+    phases = {"unsynced": (CollectiveCounter(), []), "synced": (CollectiveCounter(), [])}
+
+    def run(phase: str, inputs) -> torch.Tensor:
+        counter, graphs = phases[phase]
+        previous, compshard.backend._capture = compshard.backend._capture, graphs
+        try:
+            with counter if not compiled else contextlib.nullcontext():
                 part = step_model(*inputs) / MICRO_BATCHES
                 part.backward()
-                loss += part.detach()
+        finally:
+            compshard.backend._capture = previous
+        return part.detach()
+
+    for _ in range(ACCUMULATION_STEPS):
+        with compshard.no_sync(model):
+            loss = sum(run("unsynced", inputs) for inputs in micro[:-1])
         grads_during_no_sync.append(any(p.grad is not None for p in model.parameters()))
-        with synced:
-            part = step_model(*micro[-1]) / MICRO_BATCHES
-            part.backward()
-        loss += part.detach()
+        loss += run("synced", micro[-1])
         opt.step()
         opt.zero_grad()
         dist.all_reduce(loss)
         losses.append(loss.item() / world_size)
     full = compshard.full_state_dict(model)
+    reductions = {phase: _reductions_compiled(graphs) if compiled else counter.reductions()
+                  for phase, (counter, graphs) in phases.items()}
     return {
         "loss": max(relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, expected_losses)),
         "params": {key: relative_error(full[key], value) for key, value in reference.state_dict().items()},
         "keys_match": list(full) == list(reference.state_dict()),
-        "unsynced": unsynced.counts,
-        "unsynced_reductions": unsynced.reductions(),
-        "synced_reductions": synced.reductions(),
+        "unsynced_reductions": reductions["unsynced"],
+        "synced_reductions": reductions["synced"],
         "grads_during_no_sync": grads_during_no_sync,
         "pending_after_sync": [k for k, s in model._compshard_grad_sync.sinks.items() if s.grad is not None],
         "graphs_compiled": len(dynamo_graphs),
+        "graph_kinds": sorted(g.kind for graphs in (phases["unsynced"][1], phases["synced"][1]) for g in graphs),
     }
 
 
@@ -228,18 +244,26 @@ def _held_fraction(model, batch, rank: int, world_size: int, compiled: bool = Tr
     return held / full
 
 
-STRATEGY_MODELS = ("uneven", "gpt")
+# Parity runs per strategy: (model, compiled). full_shard's are in test_distributed.py.
+STRATEGY_PARITY = {
+    "full_shard": (),
+    "shard_grad_op": (("gpt", True), ("uneven", False)),
+    "no_shard": (("uneven", True), ("gpt", True), ("uneven", False)),
+    "hybrid_shard": (("uneven", True), ("gpt", True), ("uneven", False)),
+}
+
+
+def _case(name: str, compiled: bool) -> str:
+    return f"{name}-{'compiled' if compiled else 'eager'}"
 
 
 def _strategy(strategy: str, rank: int, world_size: int, mesh=None) -> dict:
     kwargs = {"strategy": strategy, **({"mesh": mesh} if mesh is not None else {})}
     results = {}
-    for name in STRATEGY_MODELS:
+    for name, compiled in STRATEGY_PARITY[strategy]:
         torch._dynamo.reset()
-        results[name] = {k: v for k, v in parity(name, rank, world_size, shard=kwargs).items() if k in PARITY_KEYS}
-    torch._dynamo.reset()
-    results["uneven-eager"] = {k: v for k, v in parity("uneven", rank, world_size, shard=kwargs, compiled=False).items()
-                               if k in PARITY_KEYS}
+        result = parity(name, rank, world_size, shard=kwargs, compiled=compiled)
+        results[_case(name, compiled)] = {k: v for k, v in result.items() if k in PARITY_KEYS}
     torch._dynamo.reset()
     model, batch = make_model("mlp")
     results["schedule"] = _schedule(compshard.shard(model, **kwargs), batch, rank, world_size)
@@ -257,8 +281,7 @@ def world2_worker(rank: int, world_size: int) -> dict:
     results = {"mixed_precision": _mixed_precision(rank, world_size)}
     for name, compiled in (("uneven", True), ("uneven", False), ("gpt", True)):
         torch._dynamo.reset()
-        results[f"accumulate-{name}-{'compiled' if compiled else 'eager'}"] = _accumulate(name, rank, world_size,
-                                                                                         compiled)
+        results[f"accumulate-{_case(name, compiled)}"] = _accumulate(name, rank, world_size, compiled)
     for strategy in ("full_shard", "shard_grad_op", "no_shard"):
         results[strategy] = _strategy(strategy, rank, world_size)
     return results
@@ -316,7 +339,7 @@ def test_no_sync_micro_batches_equal_one_big_batch(world2, case):
 def test_no_sync_issues_no_gradient_collective(world2, case):
     for result in world2:
         got = result[case]
-        assert got["unsynced_reductions"] == 0, got["unsynced"]
+        assert got["unsynced_reductions"] == 0
         assert got["synced_reductions"] > 0  # the counter sees reductions when they happen
         assert got["grads_during_no_sync"] == [False] * ACCUMULATION_STEPS  # nothing reaches the shards
         assert got["pending_after_sync"] == []  # the synced micro-batch consumed every accumulated gradient
@@ -325,16 +348,18 @@ def test_no_sync_issues_no_gradient_collective(world2, case):
 def test_no_sync_compiles_one_graph_per_mode(world2):
     # accumulate (under no_sync) and fold (the synced micro-batch after it); the second
     # accumulation round reuses both
-    assert world2[0]["accumulate-uneven-compiled"]["graphs_compiled"] == 2
+    for case in ("accumulate-uneven-compiled", "accumulate-gpt-compiled"):
+        assert world2[0][case]["graphs_compiled"] == 2
+        assert world2[0][case]["graph_kinds"] == ["backward", "backward", "forward", "forward"]
 
 
-@pytest.mark.parametrize("strategy", ["full_shard", "shard_grad_op", "no_shard"])
-@pytest.mark.parametrize("case", [*STRATEGY_MODELS, "uneven-eager"])
+@pytest.mark.parametrize("strategy, case", [(s, _case(*c)) for s in ("shard_grad_op", "no_shard")
+                                            for c in STRATEGY_PARITY[s]])
 def test_strategy_matches_single_process_eager(world2, strategy, case):
     _check_parity([result[strategy][case] for result in world2])
 
 
-@pytest.mark.parametrize("case", [*STRATEGY_MODELS, "uneven-eager"])
+@pytest.mark.parametrize("case", [_case(*c) for c in STRATEGY_PARITY["hybrid_shard"]])
 def test_hybrid_shard_matches_single_process_eager(world4, case):
     _check_parity([result["hybrid_shard"][case] for result in world4])
 
