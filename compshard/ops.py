@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import NamedTuple, Optional
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -155,12 +155,12 @@ def unshard(
     world_size: int,
     group_name: str,
     param: str,
-    param_dtype: Optional[torch.dtype],
-    reduce_dtype: Optional[torch.dtype],
+    param_dtype: torch.dtype | None,
+    reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
     replicate_group: str,
     grad_sync: str,
-    grad_sink: Optional[torch.Tensor],
+    grad_sink: torch.Tensor | None,
 ) -> torch.Tensor:
     layout = _layout(full_shape, world_size, group_name)
     flat = shard.reshape(-1).to(param_dtype or shard.dtype)
@@ -178,6 +178,8 @@ def _(shard, full_shape, world_size, group_name, param, param_dtype, *_):
 
 def _unshard_setup_context(ctx, inputs, output):
     args = UnshardArgs(*inputs)
+    if args.grad_sync not in GRAD_SYNC_MODES:
+        raise ValueError(f"compshard::unshard: grad_sync={args.grad_sync!r}; allowed: {list(GRAD_SYNC_MODES)}")
     ctx.grad_sync = args.grad_sync
     ctx.reduce_args = (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
                        args.shard.dtype, args.replicate_group)
@@ -210,7 +212,7 @@ def reduce_grad(
     world_size: int,
     group_name: str,
     param: str,
-    reduce_dtype: Optional[torch.dtype],
+    reduce_dtype: torch.dtype | None,
     shard_dtype: torch.dtype,
     replicate_group: str,
 ) -> torch.Tensor:

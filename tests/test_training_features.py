@@ -37,7 +37,7 @@ def _global_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Ten
 
 
 class CollectiveCounter(TorchDispatchMode):
-    """Counts the collectives run eagerly or by a compiled graph, by op name."""
+    """Counts eagerly run collectives (and ``compshard::reduce_grad`` calls) by op name."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,7 +45,7 @@ class CollectiveCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         name = func._schema.name
-        if name.startswith("_c10d_functional::") and "wait" not in name or name == "compshard::reduce_grad":
+        if (name.startswith("_c10d_functional::") and "wait" not in name) or name == "compshard::reduce_grad":
             self.counts[name] = self.counts.get(name, 0) + 1
         return func(*args, **(kwargs or {}))
 
@@ -227,13 +227,12 @@ def _schedule(model, batch, rank: int, world_size: int) -> dict:
     return {"kinds": sorted(kinds), "group_sizes": sorted(sizes), "header": str(report).splitlines()[0]}
 
 
-def _held_fraction(model, batch, rank: int, world_size: int, compiled: bool = True) -> float:
+def _held_fraction(model, batch, rank: int, world_size: int) -> float:
     """Bytes of parameters, gradients and AdamW state this rank holds after a step, over
     the unsharded model's (0-d tensors excluded: replicated by every strategy)."""
     full = sum(p.numel() * p.element_size() for p in model.parameters() if p.dim() > 0) * 4
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    step_model = torch.compile(model, backend="compshard") if compiled else model
-    step_model(*local_batch(batch, rank, world_size)).backward()
+    torch.compile(model, backend="compshard")(*local_batch(batch, rank, world_size)).backward()
     opt.step()
     held = 0
     for p in model.parameters():
