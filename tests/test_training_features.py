@@ -224,7 +224,17 @@ def _schedule(model, batch, rank: int, world_size: int) -> dict:
              for gm in report.graphs.values() for node in gm.graph.nodes
              if node.meta.get("compshard", {}).get("kind") in ("all_gather", "reduce_scatter", "all_reduce")}
     kinds = {(c["graph"], c["kind"]) for c in report.collectives if c["kind"] != "free"}
-    return {"kinds": sorted(kinds), "group_sizes": sorted(sizes), "header": str(report).splitlines()[0]}
+    reductions: dict = {}  # backward: gradient collective starts and their waits, in graph order
+    sequence = []
+    for node in report.graphs["backward"].graph.nodes:
+        kind = node.meta.get("compshard", {}).get("kind")
+        if kind in ("reduce_scatter", "all_reduce"):
+            reductions[node] = kind
+            sequence.append(kind)
+        elif kind == "wait" and node.args[0] in reductions:
+            sequence.append(f"wait {reductions[node.args[0]]}")
+    return {"kinds": sorted(kinds), "group_sizes": sorted(sizes), "header": str(report).splitlines()[0],
+            "reductions": sequence}
 
 
 def _held_fraction(model, batch, rank: int, world_size: int) -> float:
@@ -384,6 +394,17 @@ def test_strategy_schedules(world2, world4):
     assert schedules["hybrid_shard"]["group_sizes"] == [("all_gather", 2), ("all_reduce", 2), ("reduce_scatter", 2)]
     assert schedules["no_shard"]["group_sizes"] == [("all_reduce", 2)]
     assert schedules["hybrid_shard"]["header"].startswith("sharding: hybrid_shard, shard 2 x replicate 2")
+
+
+def test_gradient_reductions_overlap_backward(world2, world4):
+    """The test MLP has four buckets. Reduce-scatters (all-reduces without sharding) are
+    all started before the first is waited; hybrid waits each reduce-scatter and starts
+    its all-reduce across replicas before the next bucket's reduce-scatter."""
+    assert world2[0]["full_shard"]["schedule"]["reductions"] == ["reduce_scatter"] * 4 + ["wait reduce_scatter"] * 4
+    assert world2[0]["no_shard"]["schedule"]["reductions"] == ["all_reduce"] * 4 + ["wait all_reduce"] * 4
+    hybrid = world4[0]["hybrid_shard"]["schedule"]["reductions"]
+    assert [kind for kind in hybrid if not kind.startswith("wait")] == ["reduce_scatter", "all_reduce"] * 4
+    assert hybrid[:3] == ["reduce_scatter", "wait reduce_scatter", "all_reduce"]
 
 
 def test_strategy_memory_at_rest(world2, world4):
