@@ -57,7 +57,7 @@ class GradSync:
 
 def _state(module: nn.Module) -> GradSync:
     state = getattr(module, "_compshard_grad_sync", None)
-    if state is None:
+    if state is None or not hasattr(module, "_compshard_config"):  # a submodule shares its root's state
         raise ValueError("compshard: gradient sync is set on the module passed to compshard.shard; "
                          f"{type(module).__name__} is not one")
     return state

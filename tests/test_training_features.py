@@ -483,6 +483,8 @@ def test_gradient_sync_errors():
         with compshard.no_sync(model):
             pass
     compshard.shard(model)
+    with pytest.raises(ValueError, match="the module passed to compshard.shard; Sharded"):
+        compshard.set_requires_gradient_sync(model.layers[0], False)
     with pytest.raises(TypeError, match="requires_gradient_sync must be True or False, got 0"):
         compshard.set_requires_gradient_sync(model, 0)
 
