@@ -24,7 +24,7 @@ from __future__ import annotations
 import functools
 import warnings
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ __all__ = ["shard", "full_state_dict", "sharding_config", "ShardingConfig", "Par
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]
-STRATEGIES: tuple[str, ...] = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,7 @@ class _Groups:
     shard_group: str
     replicate_size: int
     replicate_group: str
-    placements: tuple  # of a sharded parameter's DTensor at rest; None: plain tensors (one rank)
+    placements: tuple | None  # of a sharded parameter's DTensor at rest; None: plain tensors (one rank)
 
 
 def _groups(strategy: str, mesh: DeviceMesh | None) -> _Groups:
