@@ -12,11 +12,12 @@ from compshard import ops  # noqa: F401  (registers the compshard:: custom ops)
 from compshard import checkpoint
 from compshard.backend import compshard_backend
 from compshard.clip import clip_grad_norm_
+from compshard.grad_sync import no_sync, set_requires_gradient_sync
 from compshard.options import CompileOptions
 from compshard.passes import ScheduleError
 from compshard.pipeline import Pipeline, PipelineReport, pipeline
 from compshard.report import Report, inspect
-from compshard.sharding import full_state_dict, shard
+from compshard.sharding import ShardingConfig, full_state_dict, shard, sharding_config
 
 # Installed, the backend is known through its entry point and Dynamo registers it when
 # it is first asked for (even when that is this import); from a bare checkout, here.
@@ -24,4 +25,5 @@ if "compshard" not in torch._dynamo.list_backends(exclude_tags=()):
     torch._dynamo.register_backend(compshard_backend, name="compshard")
 
 __all__ = ["shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError", "compshard_backend",
-           "pipeline", "Pipeline", "PipelineReport", "checkpoint", "clip_grad_norm_"]
+           "pipeline", "Pipeline", "PipelineReport", "checkpoint", "clip_grad_norm_",
+           "no_sync", "set_requires_gradient_sync", "sharding_config", "ShardingConfig"]

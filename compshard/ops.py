@@ -1,11 +1,19 @@
 """The parameter-lifecycle vocabulary: ``torch.library`` custom ops the passes match.
 
 ``compshard::unshard(shard) -> full``
-    All-gathers one parameter's local ``Shard(0)`` rows into the full tensor (cast to the
-    compute dtype first, when one is set). Its autograd formula is ``reduce_grad``.
+    All-gathers one parameter's local ``Shard(0)`` rows within its shard group into the
+    full tensor (cast to the compute dtype first, when one is set). Its autograd formula
+    depends on ``grad_sync`` (a static fact, so a compiled graph has one formula):
+    ``"reduce"``: ``reduce_grad``; ``"accumulate"`` (gradient sync off, see
+    :mod:`compshard.grad_sync`): the full gradient goes to ``grad_sink``, a full-shape
+    compshard-owned leaf whose ``.grad`` autograd accumulates, and no collective runs;
+    ``"fold"``: ``grad_sink`` is that accumulated gradient, added to this gradient
+    before the one ``reduce_grad``.
 ``compshard::reduce_grad(full_grad) -> local_grad``
-    Reduce-scatters a full gradient to this rank's rows (all-reduces a replicated one),
-    divided by the world size first, then summed: the average over ranks, as DDP does.
+    Reduce-scatters a full gradient to this rank's rows within the shard group
+    (all-reduces a replicated one), then all-reduces the result across the replica group
+    when there is one (hybrid sharding, or no sharding), divided by the number of ranks
+    first, then summed: the average over all data-parallel ranks, as DDP does.
 ``compshard::free(buffer)``
     Releases a gathered buffer's storage. Only the backend inserts it, after the last use
     of every alias of the buffer.
@@ -34,11 +42,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "UnshardArgs", "ReduceGradArgs", "GRAD_SYNC_MODES"]
+
+GRAD_SYNC_MODES = ("reduce", "accumulate", "fold")
 
 _c10d = torch.ops._c10d_functional
 
@@ -96,6 +107,40 @@ def resolve_group(group_name: str) -> dist.ProcessGroup:
     return _resolve_process_group(group_name)
 
 
+def group_size(group_name: str) -> int:
+    """Ranks in the named group; 1 for ``""`` (no group)."""
+    return dist.get_world_size(resolve_group(group_name)) if group_name else 1
+
+
+class UnshardArgs(NamedTuple):
+    """``compshard::unshard``'s arguments by name (passes read ``UnshardArgs(*node.args)``)."""
+
+    shard: object
+    full_shape: list
+    world_size: int
+    group_name: str
+    param: str
+    param_dtype: object
+    reduce_dtype: object
+    reshard_after_forward: bool
+    replicate_group: str
+    grad_sync: str
+    grad_sink: object
+
+
+class ReduceGradArgs(NamedTuple):
+    """``compshard::reduce_grad``'s arguments by name."""
+
+    grad: object
+    full_shape: list
+    world_size: int
+    group_name: str
+    param: str
+    reduce_dtype: object
+    shard_dtype: object
+    replicate_group: str
+
+
 def _layout(full_shape: list[int], world_size: int, group_name: str) -> Layout:
     return Layout(tuple(full_shape), world_size, group_rank(group_name))
 
@@ -113,6 +158,9 @@ def unshard(
     param_dtype: torch.dtype | None,
     reduce_dtype: torch.dtype | None,
     reshard_after_forward: bool,
+    replicate_group: str,
+    grad_sync: str,
+    grad_sink: torch.Tensor | None,
 ) -> torch.Tensor:
     layout = _layout(full_shape, world_size, group_name)
     flat = shard.reshape(-1).to(param_dtype or shard.dtype)
@@ -124,17 +172,31 @@ def unshard(
 
 
 @unshard.register_fake
-def _(shard, full_shape, world_size, group_name, param, param_dtype, reduce_dtype, reshard_after_forward):
+def _(shard, full_shape, world_size, group_name, param, param_dtype, *_):
     return shard.new_empty(full_shape, dtype=param_dtype or shard.dtype)
 
 
 def _unshard_setup_context(ctx, inputs, output):
-    shard, full_shape, world_size, group_name, param, _, reduce_dtype, _ = inputs
-    ctx.args = (full_shape, world_size, group_name, param, reduce_dtype, shard.dtype)
+    args = UnshardArgs(*inputs)
+    if args.grad_sync not in GRAD_SYNC_MODES:
+        raise ValueError(f"compshard::unshard: grad_sync={args.grad_sync!r}; allowed: {list(GRAD_SYNC_MODES)}")
+    ctx.grad_sync = args.grad_sync
+    ctx.reduce_args = (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
+                       args.shard.dtype, args.replicate_group)
+    if args.grad_sync == "accumulate":
+        ctx.sink_dtype = args.grad_sink.dtype
+    elif args.grad_sync == "fold":
+        ctx.save_for_backward(args.grad_sink)
 
 
 def _unshard_backward(ctx, grad):
-    return (torch.ops.compshard.reduce_grad(grad, *ctx.args),) + (None,) * 7
+    none = (None,) * (len(UnshardArgs._fields) - 2)
+    if ctx.grad_sync == "accumulate":  # autograd adds it to grad_sink.grad; nothing is communicated
+        return (None, *none, grad.to(ctx.sink_dtype))
+    if ctx.grad_sync == "fold":
+        (accumulated,) = ctx.saved_tensors
+        grad = grad.to(accumulated.dtype) + accumulated
+    return (torch.ops.compshard.reduce_grad(grad, *ctx.reduce_args), *none, None)
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -152,23 +214,27 @@ def reduce_grad(
     param: str,
     reduce_dtype: torch.dtype | None,
     shard_dtype: torch.dtype,
+    replicate_group: str,
 ) -> torch.Tensor:
     layout = _layout(full_shape, world_size, group_name)
+    replicas = group_size(replicate_group)
     flat = grad.reshape(-1).to(reduce_dtype or grad.dtype)
-    if world_size == 1:
+    if world_size * replicas == 1:
         return flat.to(shard_dtype).view(layout.local_shape).clone()
-    flat = flat / world_size
-    if layout.replicated:
-        reduced = _c10d.all_reduce(flat, "sum", group_name)
-    else:
+    flat = flat / (world_size * replicas)
+    if world_size > 1 and layout.replicated:
+        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group_name))
+    elif world_size > 1:
         padded = torch.nn.functional.pad(flat, (0, world_size * layout.padded_shard_numel - flat.numel()))
         reduced = _c10d.reduce_scatter_tensor(padded, "sum", world_size, group_name)
-    averaged = _c10d.wait_tensor(reduced)[: math.prod(layout.local_shape)]
-    return averaged.to(shard_dtype).view(layout.local_shape)
+        flat = _c10d.wait_tensor(reduced)[: math.prod(layout.local_shape)]
+    if replicas > 1:
+        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", replicate_group))
+    return flat.to(shard_dtype).view(layout.local_shape)
 
 
 @reduce_grad.register_fake
-def _(grad, full_shape, world_size, group_name, param, reduce_dtype, shard_dtype):
+def _(grad, full_shape, world_size, group_name, param, reduce_dtype, shard_dtype, replicate_group):
     return grad.new_empty(_layout(full_shape, world_size, group_name).local_shape, dtype=shard_dtype)
 
 

@@ -28,6 +28,7 @@ from compshard.passes.estimate_costs import SECONDS
 from compshard.passes.estimate_memory import LIVE_BYTES
 from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY
 from compshard.passes.recompute import RecomputeNote
+from compshard.sharding import ShardingConfig
 from compshard.timeline import Timeline, simulate
 
 __all__ = ["Report", "inspect"]
@@ -57,9 +58,13 @@ class Report:
         recompute: the recompute policy and the bytes the forward saves for the backward
             (a :class:`~compshard.passes.recompute.RecomputeNote`; None when no joint
             graph was compiled, e.g. for inference).
+        config: the module's :class:`~compshard.sharding.ShardingConfig` (strategy, group
+            sizes, dtypes, offload), shown first in ``str(report)``.
     """
 
-    def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None) -> None:
+    def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None,
+                 config: ShardingConfig | None = None) -> None:
+        self.config = config
         self.graphs: dict[str, fx.GraphModule] = {g.kind: g.gm for g in compiled}
         self.fingerprints = {g.kind: g.notes["fingerprint"] for g in compiled}
         self.peak_bytes = {g.kind: g.notes["peak_bytes"] for g in compiled}
@@ -132,7 +137,12 @@ class Report:
              f"{t.exposed_comm * 1e3:.3f}", _mib(self.peak_bytes[kind]), self.fingerprints[kind]]
             for kind, t in self.timelines.items()
         ]
+        sharding = [] if self.config is None else [
+            f"sharding: {self.config.strategy}, shard {self.config.shard_size} x replicate "
+            f"{self.config.replicate_size}, param_dtype {self.config.param_dtype}, reduce_dtype "
+            f"{self.config.reduce_dtype}, offload {self.config.offload}"]
         return "\n\n".join([
+            *sharding,
             tabulate(table, headers=headers),
             tabulate(buckets, headers=["bucket", "params", "gathered", "kept fw->bw", "prefetch (buckets ahead)"])
             if buckets else "no buckets (one rank: nothing to gather)",
@@ -218,4 +228,4 @@ def inspect(module: nn.Module, *args: Any, options: dict | None = None, profile:
             param.grad = grad
     if not captured:
         raise RuntimeError("compshard.inspect: nothing was compiled (the module ran no graph for these inputs)")
-    return Report(captured, measured)
+    return Report(captured, measured, getattr(module, "_compshard_config", None))

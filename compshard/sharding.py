@@ -1,9 +1,16 @@
 """``shard``: replace a module's parameters by this rank's ``Shard(0)`` rows, in place.
 
 At rest each parameter is an ``nn.Parameter`` wrapping a DTensor placed ``Shard(0)`` on a
-1-D mesh (``Replicate()`` for 0-d parameters), so torch optimizers, ``clip_grad_norm_``
-and ``torch.distributed.checkpoint`` see ordinary DTensors. With no process group
-initialized the world is one rank and parameters stay plain tensors.
+1-D mesh (``Replicate()`` for 0-d parameters; ``(Replicate(), Shard(0))`` on the 2-D mesh
+of ``"hybrid_shard"``; ``Replicate()`` under ``"no_shard"``), so torch optimizers,
+``clip_grad_norm_`` and ``torch.distributed.checkpoint`` see ordinary DTensors. With no
+process group initialized the world is one rank and parameters stay plain tensors.
+
+Strategies reduce to two process groups per parameter: the *shard group* its rows are
+split over and gathered within (one rank for ``"no_shard"``), and the *replica group*
+its reduced gradient is all-reduced across afterwards (none for ``"full_shard"`` and
+``"shard_grad_op"``). ``"shard_grad_op"`` is ``"full_shard"`` with gathered parameters kept
+from forward to backward.
 
 Every read of ``module.<name>`` goes through ``compshard::unshard`` (a class-level property
 installed on a per-class subclass), so Dynamo captures one unshard per access and eager
@@ -15,8 +22,10 @@ is registered under every name the original was.
 from __future__ import annotations
 
 import contextlib
+import functools
+import warnings
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Iterator, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -25,10 +34,38 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from compshard import cost_model, ops
+from compshard.grad_sync import GradSync
 
-__all__ = ["shard", "full_state_dict", "ParamSpec", "param_specs", "is_sharded", "parameters_at_rest"]
+__all__ = ["shard", "full_state_dict", "sharding_config", "ShardingConfig", "ParamSpec", "param_specs", "is_sharded",
+           "STRATEGIES", "parameters_at_rest"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]
+STRATEGIES: tuple[str, ...] = get_args(Strategy)
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """How a module was sharded: what ``compshard.sharding_config(module)`` returns.
+
+    ``shard_size`` ranks hold one copy of the parameters between them; ``replicate_size``
+    such copies exist (``shard_size * replicate_size`` data-parallel ranks in all).
+    ``offload``: ``"off"``, ``"pinned_cpu"`` (shards, gradients and optimizer state in
+    pinned CPU memory, the optimizer stepping on CPU) or ``"nothing_to_offload"`` (asked
+    for on a CPU-only run, where everything already lives in CPU memory).
+    """
+
+    strategy: str
+    shard_size: int
+    replicate_size: int
+    reshard_after_forward: bool
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
+    output_dtype: torch.dtype | None
+    cast_forward_inputs: bool
+    buffer_dtype: torch.dtype | None
+    offload: str
 
 
 @dataclass(frozen=True)
@@ -37,11 +74,13 @@ class ParamSpec:
 
     fqn: str  # canonical name (the first under which the parameter is registered)
     full_shape: tuple[int, ...]
-    world_size: int
-    group_name: str  # "" when no process group is initialized
+    world_size: int  # ranks of the shard group
+    group_name: str  # the shard group; "" when it is one rank
     param_dtype: torch.dtype | None
     reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
+    replicate_group: str  # the group gradients are all-reduced across after reduce-scatter; "" when none
+    compute_device: torch.device | None  # offload: where the shard is copied to before gathering
 
     def layout(self, rank: int) -> ops.Layout:
         return ops.Layout(self.full_shape, self.world_size, rank)
@@ -54,8 +93,12 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 def _sharded_property(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         spec = self._compshard_specs[name]
+        shard = _local(self._parameters[name])
+        if spec.compute_device is not None:
+            shard = shard.to(spec.compute_device, non_blocking=True)
+        grad_sync, grad_sink = self._compshard_grad_sync.mode(spec.fqn)
         return torch.ops.compshard.unshard(
-            _local(self._parameters[name]),
+            shard,
             list(spec.full_shape),
             spec.world_size,
             spec.group_name,
@@ -63,6 +106,9 @@ def _sharded_property(name: str) -> property:
             spec.param_dtype,
             spec.reduce_dtype,
             spec.reshard_after_forward,
+            spec.replicate_group,
+            grad_sync,
+            grad_sink,
         )
 
     return property(get, doc=f"'{name}' gathered to its full shape (compshard::unshard)")
@@ -106,12 +152,76 @@ def _check_dtype(option: str, value: torch.dtype | None) -> None:
         raise ValueError(f"compshard.shard: {option}={value!r} is not allowed; use None or one of {allowed}")
 
 
+def _check_flag(option: str, value: Any) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"compshard.shard: {option} must be True or False, got {value!r}")
+
+
 def _default_mesh(module: nn.Module) -> DeviceMesh | None:
     if not (dist.is_available() and dist.is_initialized()):
         return None
     devices = {p.device.type for p in module.parameters()}
     device_type = devices.pop() if len(devices) == 1 else "cpu"
     return DeviceMesh.from_group(dist.group.WORLD, device_type)
+
+
+def _check_mesh(strategy: str, mesh: Any) -> None:
+    if strategy == "hybrid_shard":
+        if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
+            raise ValueError("compshard.shard: strategy='hybrid_shard' needs mesh=<2-D DeviceMesh> with dimensions "
+                             f"(replicate, shard), got {mesh!r}")
+    elif mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 1):
+        raise ValueError(f"compshard.shard: mesh must be a 1-D DeviceMesh or None for strategy={strategy!r} "
+                         f"(a 2-D mesh is for 'hybrid_shard'), got {mesh!r}")
+
+
+@dataclass(frozen=True)
+class _Groups:
+    """Where one parameter copy is split (shard) and across which ranks copies repeat."""
+
+    shard_size: int
+    shard_rank: int
+    shard_group: str
+    replicate_size: int
+    replicate_group: str
+    placements: tuple | None  # of a sharded parameter's DTensor at rest; None: plain tensors (one rank)
+
+
+def _groups(strategy: str, mesh: DeviceMesh | None) -> _Groups:
+    if mesh is None:
+        return _Groups(1, 0, "", 1, "", None)
+    if strategy == "hybrid_shard":
+        return _Groups(mesh.size(1), mesh.get_local_rank(1), mesh.get_group(1).group_name,
+                       mesh.size(0), mesh.get_group(0).group_name, (Replicate(), Shard(0)))
+    if strategy == "no_shard":
+        return _Groups(1, 0, "", mesh.size(), mesh.get_group().group_name, (Replicate(),))
+    return _Groups(mesh.size(), mesh.get_local_rank(), mesh.get_group().group_name, 1, "", (Shard(0),))
+
+
+def _resolve_reshard(strategy: str, reshard_after_forward: bool | None) -> bool:
+    if reshard_after_forward is None:
+        return strategy in ("full_shard", "hybrid_shard")
+    _check_flag("reshard_after_forward", reshard_after_forward)
+    if strategy == "shard_grad_op" and reshard_after_forward:
+        raise ValueError("compshard.shard: strategy='shard_grad_op' keeps parameters gathered from forward to "
+                         "backward; reshard_after_forward=True contradicts it (use 'full_shard', or leave it None)")
+    return reshard_after_forward
+
+
+def _offload_device(offload: bool, module: nn.Module, mesh: DeviceMesh | None) -> tuple[str, torch.device | None]:
+    """(the config's ``offload`` value, the compute device shards are copied to)."""
+    _check_flag("offload", offload)
+    if not offload:
+        return "off", None
+    device_types = {p.device.type for p in module.parameters()} | ({mesh.device_type} if mesh is not None else set())
+    if device_types <= {"cpu"}:
+        warnings.warn("compshard.shard: offload=True has nothing to offload on a CPU-only run: parameter shards, "
+                      "gradients and optimizer state already live in CPU memory", stacklevel=3)
+        return "nothing_to_offload", None
+    if device_types != {"cuda"}:
+        raise ValueError(f"compshard.shard: offload=True supports CUDA parameters (or a CPU-only run), got devices "
+                         f"{sorted(device_types)}")
+    return "pinned_cpu", torch.device("cuda", torch.cuda.current_device())
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -127,48 +237,105 @@ def param_specs(module: nn.Module) -> dict[str, ParamSpec]:
     return specs
 
 
+def sharding_config(module: nn.Module) -> ShardingConfig:
+    """The :class:`ShardingConfig` ``compshard.shard`` applied to ``module`` (the module it
+    was called on)."""
+    config = getattr(module, "_compshard_config", None)
+    if config is None:
+        raise ValueError("compshard.sharding_config: module was not passed to compshard.shard")
+    return config
+
+
+def _cast_floats(dtype: torch.dtype, value: Any) -> Any:
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(dtype) if torch.is_floating_point(t) else t
+
+    return torch.utils._pytree.tree_map_only(torch.Tensor, cast, value)
+
+
+def _install_casts(module: nn.Module, config: ShardingConfig) -> None:
+    """Forward hooks of the root module, as FSDP2 does for its root: floating inputs to
+    ``param_dtype`` (``cast_forward_inputs``), floating outputs to ``output_dtype``."""
+    if config.cast_forward_inputs and config.param_dtype is not None:
+        cast_inputs = functools.partial(_cast_floats, config.param_dtype)
+        module.register_forward_pre_hook(lambda _, args, kwargs: cast_inputs((args, kwargs)), with_kwargs=True)
+    if config.output_dtype is not None:
+        cast_output = functools.partial(_cast_floats, config.output_dtype)
+        module.register_forward_hook(lambda _, args, output: cast_output(output))
+
+
 def shard(
     module: nn.Module,
     *,
     mesh: DeviceMesh | None = None,
-    reshard_after_forward: bool = True,
+    strategy: Strategy = "full_shard",
+    reshard_after_forward: bool | None = None,
     param_dtype: torch.dtype | None = None,
     reduce_dtype: torch.dtype | None = None,
+    output_dtype: torch.dtype | None = None,
+    cast_forward_inputs: bool = True,
+    buffer_dtype: torch.dtype | None = None,
+    offload: bool = False,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the data-parallel ranks, in place; return it.
 
     Args:
-        mesh: 1-D device mesh of the data-parallel ranks. ``None``: the default process
-            group, or a single rank when none is initialized.
+        mesh: the data-parallel ranks. ``None``: the default process group, or a single
+            rank when none is initialized. A 1-D mesh, or for ``"hybrid_shard"`` a 2-D mesh
+            whose dimensions are (replicate, shard).
+        strategy: ``"full_shard"`` (ZeRO-3): parameters, gradients and optimizer state
+            split across the ranks, parameters gathered for each use.
+            ``"shard_grad_op"`` (ZeRO-2): as full_shard, but gathered parameters stay from
+            forward to backward (one all-gather per step instead of two; the whole model's
+            parameters held at the peak). ``"no_shard"`` (DDP): every rank holds everything;
+            gradients are all-reduced. ``"hybrid_shard"``: split within each group of the
+            mesh's shard dimension, replicated across its replicate dimension: all-gathers
+            stay within a shard group; gradients are reduce-scattered within it, then
+            all-reduced across replicas.
         reshard_after_forward: free gathered parameters after their last forward use and
-            gather them again in backward (ZeRO-3: least memory, one more all-gather per
-            parameter). ``False`` keeps them gathered from forward to backward.
+            gather them again in backward. ``None``: as the strategy says (``False`` for
+            ``"shard_grad_op"``, ``True`` otherwise).
         param_dtype: dtype parameters are gathered and computed in (``None``: their own).
-        reduce_dtype: dtype gradients are reduce-scattered in (``None``: the gradient's).
+            Shards stay in their dtype: they are the optimizer's master weights.
+        reduce_dtype: dtype gradients are reduced (and accumulated, under ``no_sync``) in
+            (``None``: the gradient's, i.e. ``param_dtype``'s). Gradients land on the shards
+            in the shards' dtype.
+        output_dtype: cast the module's floating-point outputs to this dtype (``None``: no
+            cast).
+        cast_forward_inputs: with ``param_dtype`` set, cast the module's floating-point
+            inputs to it (as FSDP2 does).
+        buffer_dtype: cast floating-point buffers to this dtype once, here (``None``: they
+            keep their dtype). Buffers are never sharded.
+        offload: keep parameter shards (and so gradients and optimizer state) in pinned
+            CPU memory, the optimizer stepping on CPU; each use copies the shard to the GPU
+            first. CUDA only: on a CPU-only run it is accepted with a warning, and
+            ``sharding_config(module).offload`` is ``"nothing_to_offload"``.
 
     Parameters must be identical on every rank before the call (same seed or loaded
-    state), as each rank keeps its own rows. Buffers are not sharded. Collective: the
-    first call on a process group also calibrates the cost model on it (a few small
-    collectives, under a second).
+    state), as each rank keeps its own rows. Collective: the first call on a process group
+    also calibrates the cost model on it (a few small collectives, under a second).
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"compshard.shard: module must be an nn.Module, got {type(module).__name__}")
     if is_sharded(module):
         raise ValueError("compshard.shard: module is already sharded")
-    if not isinstance(reshard_after_forward, bool):
-        raise TypeError(f"compshard.shard: reshard_after_forward must be True or False, got {reshard_after_forward!r}")
-    _check_dtype("param_dtype", param_dtype)
-    _check_dtype("reduce_dtype", reduce_dtype)
+    if strategy not in STRATEGIES:
+        raise ValueError(f"compshard.shard: strategy={strategy!r} is not allowed; use one of {list(STRATEGIES)}")
+    reshard_after_forward = _resolve_reshard(strategy, reshard_after_forward)
+    for option, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
+                          ("output_dtype", output_dtype), ("buffer_dtype", buffer_dtype)):
+        _check_dtype(option, dtype)
+    _check_flag("cast_forward_inputs", cast_forward_inputs)
+    _check_mesh(strategy, mesh)
     if mesh is None:
         mesh = _default_mesh(module)
-    elif not isinstance(mesh, DeviceMesh) or mesh.ndim != 1:
-        raise ValueError(f"compshard.shard: mesh must be a 1-D DeviceMesh or None, got {mesh!r}")
-    world_size = mesh.size() if mesh is not None else 1
-    rank = mesh.get_local_rank() if mesh is not None else 0
-    group_name = mesh.get_group().group_name if mesh is not None else ""
-    if world_size > 1:
-        cost_model.calibrate(group_name, torch.device(mesh.device_type))
+    offload_state, compute_device = _offload_device(offload, module, mesh)
+    groups = _groups(strategy, mesh)
+    for group_name in (groups.shard_group, groups.replicate_group):
+        if group_name and ops.group_size(group_name) > 1:
+            cost_model.calibrate(group_name, torch.device(mesh.device_type))
 
+    grad_sync = GradSync()
     sharded: dict[int, tuple[nn.Parameter, ParamSpec]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         names = tuple(name for name, p in sub._parameters.items() if p is not None)
@@ -181,32 +348,49 @@ def shard(
                 spec = ParamSpec(
                     fqn=f"{prefix}.{name}" if prefix else name,
                     full_shape=tuple(original.shape),
-                    world_size=world_size,
-                    group_name=group_name,
+                    world_size=groups.shard_size,
+                    group_name=groups.shard_group,
                     param_dtype=param_dtype,
                     reduce_dtype=reduce_dtype,
                     reshard_after_forward=reshard_after_forward,
+                    replicate_group=groups.replicate_group,
+                    compute_device=compute_device,
                 )
-                sharded[id(original)] = (_shard_param(original, spec, mesh, rank), spec)
+                sharded[id(original)] = (_shard_param(original, spec, mesh, groups), spec)
             new_param, specs[name] = sharded[id(original)]
             sub._parameters[name] = new_param
         sub._compshard_specs = specs
+        sub._compshard_grad_sync = grad_sync
         _install_properties(sub, names)
+    if buffer_dtype is not None:
+        for sub in module.modules():
+            for name, buffer in sub._buffers.items():
+                if buffer is not None and torch.is_floating_point(buffer):
+                    sub._buffers[name] = buffer.to(buffer_dtype)
+    config = ShardingConfig(strategy, groups.shard_size, groups.replicate_size, reshard_after_forward, param_dtype,
+                            reduce_dtype, output_dtype, cast_forward_inputs, buffer_dtype, offload_state)
+    module._compshard_config = config
+    module._compshard_grad_sync = grad_sync
+    _install_casts(module, config)
     return module
 
 
-def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, rank: int) -> nn.Parameter:
+def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, groups: _Groups) -> nn.Parameter:
     data = param.detach()
-    layout = spec.layout(rank)
-    if mesh is None:
+    layout = spec.layout(groups.shard_rank)
+    if layout.replicated:
         local = data.clone()
-    elif layout.replicated:
-        local = DTensor.from_local(data.clone(), mesh, [Replicate()], run_check=False)
     else:
         start, stop = layout.local_rows
-        local = DTensor.from_local(
-            data[start:stop].clone(), mesh, [Shard(0)], run_check=False, shape=data.shape, stride=data.stride()
-        )
+        local = data[start:stop].clone()
+    if mesh is not None:
+        placements = [Replicate()] * mesh.ndim if layout.replicated else list(groups.placements)
+        sharded = DTensor.from_local(local, mesh, placements, run_check=False, shape=data.shape, stride=data.stride())
+        if spec.compute_device is not None:  # from_local would move a CPU shard to the mesh's device
+            sharded = DTensor(local.cpu().pin_memory(), sharded._spec, requires_grad=False)
+        return nn.Parameter(sharded, requires_grad=param.requires_grad)
+    if spec.compute_device is not None:
+        local = local.cpu().pin_memory()
     return nn.Parameter(local, requires_grad=param.requires_grad)
 
 

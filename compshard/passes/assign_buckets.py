@@ -13,7 +13,7 @@ numbered children; the outermost such block wins), and pools every other paramet
 ``fnmatch`` patterns makes one bucket per matching module (the shortest matching prefix
 of a parameter's module path), the rest as ``"auto"`` does; a number is a size target
 for all parameters, in order of first use; ``"none"`` keeps one parameter per bucket. A
-bucket never mixes collective keys (process group, gather dtype, reduce dtype): it is
+bucket never mixes collective keys (process groups, gather dtype, reduce dtype): it is
 split by key, in order. Trade-off of pooling: a pooled parameter used late in forward is
 gathered with the first one and held until its use (for the usual embeddings + tied
 head it is held anyway), for one collective instead of one per run.
@@ -36,7 +36,7 @@ from typing import Iterable
 
 from torch import fx
 
-from compshard.ops import Layout
+from compshard.ops import Layout, UnshardArgs
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op
 
@@ -202,11 +202,12 @@ def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
     for node in gm.graph.nodes:
         if not is_op(node, compshard_ops.unshard.default):
             continue
-        _, full_shape, world_size, group_name, name, _, reduce_dtype, reshard = node.args
+        args = UnshardArgs(*node.args)
         dtype = node.meta["val"].dtype
-        layout = Layout(tuple(full_shape), world_size, rank=0)
-        nbytes = world_size * layout.padded_shard_numel * dtype.itemsize
-        params.append(_Param(name, nbytes, (group_name, world_size, dtype, reduce_dtype), keep=not reshard))
+        layout = Layout(tuple(args.full_shape), args.world_size, rank=0)
+        nbytes = args.world_size * layout.padded_shard_numel * dtype.itemsize
+        key = (args.group_name, args.world_size, dtype, args.reduce_dtype, args.replicate_group)
+        params.append(_Param(args.param, nbytes, key, keep=not args.reshard_after_forward))
     buckets = plan_buckets(params, ctx.options, _last_used_in_forward(gm.graph))
     ctx.shared["buckets"] = buckets
     ctx.shared["bucket_of"] = {param: bucket for bucket in buckets for param in bucket.params}

@@ -8,6 +8,8 @@ After: walking the starts in order, when starting one would put more than
 (their wait and unpack nodes moved) just before it. With the default bound and small
 models nothing moves: waits stay at the end, as late as possible.
 
+Gradient all-reduces (strategies with replicas) are bounded the same way, separately.
+
 Trade-off: a lower bound frees gradient buffers sooner at the cost of blocking earlier.
 """
 
@@ -21,11 +23,15 @@ from compshard.passes.prefetch import MB, collective_groups
 
 
 def bound_reduce_scatters(gm: fx.GraphModule, ctx: PassContext) -> None:
-    bound = ctx.options.max_inflight_mb * MB
+    for kind in ("reduce_scatter", "all_reduce"):
+        _bound(gm.graph, kind, ctx.options.max_inflight_mb * MB)
+
+
+def _bound(graph: fx.Graph, kind: str, bound: float) -> None:
     started: list[dict] = []
-    for group in collective_groups(gm.graph, "reduce_scatter"):
+    for group in collective_groups(graph, kind):
         anchor = group["pack"][0] if group["pack"] else group["start"]
-        order = node_order(gm.graph)
+        order = node_order(graph)
         inflight = [g for g in started if order[g["wait"]] > order[anchor]]  # waits only ever move up
         nbytes = group["start"].meta[META_KEY]["bytes"]
         while inflight and sum(g["start"].meta[META_KEY]["bytes"] for g in inflight) + nbytes > bound:

@@ -21,7 +21,9 @@ def dedupe_unshard(gm: fx.GraphModule, ctx: PassContext) -> None:
     for node in list(gm.graph.nodes):
         if not is_op(node, compshard_ops.unshard, compshard_ops.unshard.default):  # Dynamo records the packet
             continue
-        key = tuple(tuple(a) if isinstance(a, list) else a for a in node.args[1:])
+        # Not the gradient-sync arguments: only a parameter's first read in a forward folds
+        # its accumulated gradient in (see compshard.grad_sync); the merged reads share it.
+        key = tuple(tuple(a) if isinstance(a, list) else a for a in node.args[1:-2])
         if key in first:
             node.replace_all_uses_with(first[key])
             gm.graph.erase_node(node)

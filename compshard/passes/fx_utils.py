@@ -135,8 +135,9 @@ def schedule_kind(node: fx.Node) -> str | None:
 def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
     """Move ``node`` and the inputs it needs above ``anchor``.
 
-    Only placeholders and views of them move (a shard's path from the graph input), so
-    moving cannot change what any node computes.
+    Only placeholders, views of them and device copies of them (an offloaded shard's
+    copy to the GPU) move (a shard's path from the graph input), so moving cannot change
+    what any node computes.
     """
     order = node_order(anchor.graph)
     pending = [node]
@@ -145,7 +146,7 @@ def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
         current = pending.pop()
         if current.op == "placeholder" or order[current] < order[anchor] or current in to_move:
             continue
-        if not is_view(current):
+        if not (is_view(current) or is_op(current, aten._to_copy.default)):
             raise RuntimeError(f"compshard: cannot move {current.format_node()} above {anchor.name}: not a view")
         to_move.append(current)
         pending.extend(current.all_input_nodes)

@@ -24,7 +24,7 @@ import torch
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
-from compshard.ops import Layout
+from compshard.ops import Layout, UnshardArgs
 from compshard.passes.context import PassContext
 from compshard.passes.assign_buckets import members_by_bucket
 from compshard.passes.fx_utils import aten, c10d, compshard_ops, emit, first_use, hoist_before, is_op, schedule_meta
@@ -33,7 +33,8 @@ prims = torch.ops.prims
 
 
 def _lower_locally(graph: fx.Graph, node: fx.Node) -> None:
-    shard, full_shape, _, _, param, _, _, _ = node.args
+    args = UnshardArgs(*node.args)
+    shard, full_shape, param = args.shard, args.full_shape, args.param
     dtype = node.meta["val"].dtype
     with graph.inserting_before(node):
         flat = emit(graph, aten.view.default, (shard, [-1]), meta=schedule_meta("pack", [param], 0))
@@ -46,7 +47,8 @@ def _lower_locally(graph: fx.Graph, node: fx.Node) -> None:
 
 
 def _lower_bucket(graph: fx.Graph, bucket, members: list[fx.Node], label: str) -> None:
-    _, _, world_size, group_name, _, _, _, _ = members[0].args
+    first = UnshardArgs(*members[0].args)
+    world_size, group_name = first.world_size, first.group_name
     names = [m.args[4] for m in members]
     layouts = [Layout(tuple(m.args[1]), world_size, rank=0) for m in members]
     shard_numels = [layout.padded_shard_numel for layout in layouts]

@@ -1,0 +1,102 @@
+"""Gradient accumulation without communication: ``no_sync`` and ``set_requires_gradient_sync``.
+
+With gradient sync off, each parameter's full gradient is not reduce-scattered: it is
+accumulated, in the reduce dtype, into a full-size tensor that compshard owns (the
+``.grad`` of a zero-stride full-shape leaf, the parameter's *gradient sink*). The next
+forward with sync on hands that accumulated gradient to the parameter's ``unshard``,
+whose backward adds it to the new gradient before the one reduce-scatter: k micro-batches
+under ``no_sync`` plus one synced micro-batch communicate gradients once and produce the
+gradient of the whole batch.
+
+Whether sync is on is a static fact of each forward: the sharded attribute reads it (and
+whether a sink holds a gradient) in plain Python, so a compiled module gets one graph
+per mode (Dynamo guards on the flag): plain reduce, accumulate (its backward issues no
+collective) and fold (the synced micro-batch after accumulation).
+
+Memory trade-off: while gradients accumulate, every rank holds one *full* gradient per
+parameter (as DDP does), ``shard_size`` times the sharded gradient, from the first
+unsynced backward until the synced micro-batch's backward has consumed it. Use it when
+communication, not memory, is the bottleneck.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+__all__ = ["GradSync", "no_sync", "set_requires_gradient_sync"]
+
+
+class GradSync:
+    """Gradient-sync state shared by every sharded submodule of one ``shard`` call."""
+
+    def __init__(self) -> None:
+        self.requires_sync = True
+        self.sinks: dict[str, torch.Tensor] = {}  # parameter name -> zero-stride full-shape leaf
+
+    def mode(self, param: str) -> tuple[str, torch.Tensor | None]:
+        """``(grad_sync, grad_sink)`` arguments of the parameter's next ``unshard``.
+
+        Fold mode takes the accumulated gradient out of its sink: a parameter read twice
+        in one forward adds it once.
+        """
+        sink = self.sinks.get(param)
+        if sink is None:
+            return "reduce", None
+        if not self.requires_sync:
+            return "accumulate", sink
+        accumulated = sink.grad
+        if accumulated is None or not torch.is_grad_enabled():
+            return "reduce", None
+        sink.grad = None
+        return "fold", accumulated
+
+
+def _state(module: nn.Module) -> GradSync:
+    state = getattr(module, "_compshard_grad_sync", None)
+    if state is None or not hasattr(module, "_compshard_config"):  # a submodule shares its root's state
+        raise ValueError("compshard: gradient sync is set on the module passed to compshard.shard; "
+                         f"{type(module).__name__} is not one")
+    return state
+
+
+def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:
+    """Turn gradient reduction on (the default) or off for ``module`` (the module passed to
+    ``compshard.shard``). Off: backward accumulates full gradients locally (see the module
+    docstring for the memory this takes); the first synced backward after reduces them
+    together with its own gradient. Every rank must make the same calls."""
+    if not isinstance(requires_gradient_sync, bool):
+        raise TypeError(f"compshard: requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
+    from compshard.sharding import param_specs
+
+    state = _state(module)
+    state.requires_sync = requires_gradient_sync
+    if requires_gradient_sync:
+        return
+    params = dict(module.named_parameters())
+    for name, spec in param_specs(module).items():
+        if name in state.sinks or not params[name].requires_grad:
+            continue
+        dtype = spec.reduce_dtype or spec.param_dtype or params[name].dtype
+        device = spec.compute_device or params[name].device
+        state.sinks[name] = torch.zeros((), dtype=dtype, device=device).expand(spec.full_shape).requires_grad_()
+
+
+@contextlib.contextmanager
+def no_sync(module: nn.Module) -> Iterator[nn.Module]:
+    """Context in which ``module``'s backward passes accumulate gradients without
+    communicating; sync is on again on exit::
+
+        with compshard.no_sync(model):
+            for x, y in micro_batches[:-1]:
+                step_model(x, y).backward()
+        step_model(*micro_batches[-1]).backward()   # one reduce-scatter for all of them
+    """
+    set_requires_gradient_sync(module, False)
+    try:
+        yield module
+    finally:
+        set_requires_gradient_sync(module, True)
