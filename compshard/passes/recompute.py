@@ -50,12 +50,13 @@ from typing import Callable, Mapping
 
 import torch
 from torch import fx
+from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compshard.cost_model import Costs, costs_for, node_seconds
 from compshard.passes.assign_buckets import MB, repeated_block, repeated_containers
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aten, compshard_ops, is_op, is_view, nbytes
+from compshard.passes.fx_utils import aten, compshard_ops, gathered_chain, is_op, is_view, nbytes
 
 __all__ = ["RecomputeNote", "recompute", "record_saved", "block_of_nodes", "COMPUTE_INTENSIVE"]
 
@@ -330,17 +331,24 @@ def record_saved(forward: fx.GraphModule, backward: fx.GraphModule, shared: dict
     note (a note for ``"none"`` is made here). Saved values are the backward's inputs
     other than tangents; each has the name of the forward node that produced it."""
     produced = {node.name: node for node in forward.graph.nodes}
+    gathered = {member for node in forward.graph.nodes if is_op(node, compshard_ops.unshard.default)
+                for member in gathered_chain(node)}
     saved = {"activations": 0, "gathered params": 0, "inputs": 0}
+    counted = set()  # storages: a value and its views saved together count once
     for node in backward.graph.find_nodes(op="placeholder"):
         source = produced.get(node.name)
         if node.name.startswith("tangents") or source is None or not isinstance(source.meta.get("val"), torch.Tensor):
             continue
+        storage = StorageWeakRef(source.meta["val"].untyped_storage())
+        if storage in counted:
+            continue
+        counted.add(storage)
         if source.op == "placeholder":
             kind = "inputs"
-        elif is_op(source, compshard_ops.unshard.default):
+        elif source in gathered:
             kind = "gathered params"
         else:
             kind = "activations"
-        saved[kind] += nbytes(source.meta["val"])
+        saved[kind] += source.meta["val"].untyped_storage().nbytes()
     note = shared.setdefault("recompute", RecomputeNote("none"))
     note.saved = saved
