@@ -28,11 +28,8 @@ from __future__ import annotations
 import argparse
 import copy
 import functools
-import json
 import os
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -42,9 +39,8 @@ import torch.distributed as dist
 from tabulate import tabulate
 
 import compshard
-from bench_step import device_name
 from compshard.models import GPTConfig
-from harness import init_distributed, make_workload, mib, progress, train, wrap_compshard
+from harness import init_distributed, make_workload, mib, progress, train, wrap_compshard, write_results
 
 FIXED_POLICIES = ("none", "selective", "full")
 
@@ -146,22 +142,9 @@ def main() -> None:
 
     if rank == 0:
         print(tabulate(table(rows), headers=HEADERS))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "command": shlex.join([sys.executable, *sys.argv]),
-            "torch": torch.__version__,
-            "device": device_name(device),
-            "backend": dist.get_backend(),
-            "world_size": world_size,
-            "dtype": "fp32",
-            "config": {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                       "budget_mb": budget_mb},
-            "load_average_before_after": [load_before, os.getloadavg()],
-            "wall_seconds": time.perf_counter() - started,
-            "results": rows,
-        }
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
-        progress(f"wrote {args.out}")
+        config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+                  "budget_mb": budget_mb}
+        write_results(args.out, device, config, started, rows, load_average_before_after=[load_before, os.getloadavg()])
     dist.barrier()  # tear down together: rank 0 was still writing
     dist.destroy_process_group()
 

@@ -53,11 +53,7 @@ import copy
 import functools
 import json
 import math
-import os
-import platform
-import shlex
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -70,7 +66,9 @@ from torch.distributed.fsdp import FSDPModule
 
 import compshard
 from compshard.models import GPTConfig
-from harness import SYSTEMS, Result, init_distributed, make_workload, mib, progress, train, wrap_fsdp2
+from harness import (
+    SYSTEMS, Result, init_distributed, make_workload, mib, progress, train, wrap_fsdp2, write_results,
+)
 
 COMPUTE_ONLY = "compute-only"
 DDP_BUCKET_BYTES = (1 << 20, 25 << 20)  # DDP's first bucket, then bucket_cap_mb=25
@@ -234,12 +232,6 @@ def gather_row(result: Result, collectives: list[Collective], comm_times: list[f
     }
 
 
-def device_name(device: torch.device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
-
-
 # ------------------------------------------------------------------------------ main
 
 
@@ -303,21 +295,9 @@ def main() -> None:
     table = summarize(rows, args.batch * cfg.block_size)
     if rank == 0:
         print(tabulate(table, headers=HEADERS))
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        record = {
-            "command": shlex.join([sys.executable, *sys.argv]),
-            "torch": torch.__version__,
-            "device": device_name(device),
-            "backend": dist.get_backend(),
-            "world_size": world_size,
-            "dtype": "fp32",
-            "config": {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                       "comm_repeats": args.comm_repeats, "systems": args.systems, "options": args.options},
-            "wall_seconds": time.perf_counter() - started,
-            "results": rows,
-        }
-        args.out.write_text(json.dumps(record, indent=2) + "\n")
-        progress(f"wrote {args.out}")
+        config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+                  "comm_repeats": args.comm_repeats, "systems": args.systems, "options": args.options}
+        write_results(args.out, device, config, started, rows)
     dist.barrier()  # tear down together: rank 0 was still writing
     dist.destroy_process_group()
 

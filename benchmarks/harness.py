@@ -17,11 +17,15 @@ from __future__ import annotations
 
 import copy
 import datetime
+import json
 import os
+import platform
+import shlex
 import statistics
 import sys
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -198,3 +202,28 @@ def make_workload(cfg: GPTConfig, global_batch: int, rank: int, world_size: int,
 
 def mib(nbytes: float) -> str:
     return f"{nbytes / 2**20:.2f}"
+
+
+def device_name(device: torch.device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def write_results(path: Path, device: torch.device, config: dict, started: float, rows: list, **extra) -> None:
+    """The benchmark's JSON record: command, versions, device, configuration, results."""
+    record = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "torch": torch.__version__,
+        "device": device_name(device),
+        "backend": dist.get_backend(),
+        "world_size": dist.get_world_size(),
+        "dtype": "fp32",
+        "config": config,
+        **extra,
+        "wall_seconds": time.perf_counter() - started,
+        "results": rows,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    progress(f"wrote {path}")

@@ -110,7 +110,7 @@ def test_state_at_rest_is_one_nth_plus_padding(parity_results):
 
 
 def _schedule_facts(report) -> dict:
-    forward, backward = report.graphs["forward"], report.graphs["backward"]
+    forward = report.graphs["forward"]
     outputs = set(next(iter(forward.graph.find_nodes(op="output"))).all_input_nodes)
     saved_gathered = [p for b in gathered_buffers(forward.graph) if set(aliases(b)) & outputs
                       for p in b.meta["compshard"]["params"]]

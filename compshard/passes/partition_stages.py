@@ -32,9 +32,8 @@ those stages.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 from torch import fx, nn
