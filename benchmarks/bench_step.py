@@ -65,9 +65,9 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 import compshard
-from compshard.models import GPTConfig
 from harness import (
-    SYSTEMS, Result, init_distributed, make_workload, mib, progress, train, wrap_fsdp2, write_results,
+    SYSTEMS, Result, add_workload_arguments, mib, progress, train, start_workload,
+    wrap_fsdp2, write_results,
 )
 
 COMPUTE_ONLY = "compute-only"
@@ -237,14 +237,7 @@ def gather_row(result: Result, collectives: list[Collective], comm_times: list[f
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    parser.add_argument("--width", type=int, default=128, help="embedding width (n_embd)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--seq", type=int, default=128, help="sequence length (block_size)")
-    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+    add_workload_arguments(parser, per="system")
     parser.add_argument("--comm-repeats", type=int, default=10, help="timed replays of each system's collectives")
     parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {list(SYSTEMS)}")
     parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
@@ -269,13 +262,7 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    rank, world_size, device = init_distributed()
-    if args.batch % world_size:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world_size}")
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width)
-    reference, batch = make_workload(cfg, args.batch, rank, world_size, device)
-    progress(f"GPT {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, {world_size} ranks "
-             f"on {device.type} ({dist.get_backend()}), global batch {args.batch} x {cfg.block_size} tokens")
+    rank, world_size, device, cfg, reference, batch = start_workload(args)
     started = time.perf_counter()
 
     rows: dict[str, dict] = {}

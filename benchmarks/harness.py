@@ -227,3 +227,29 @@ def write_results(path: Path, device: torch.device, config: dict, started: float
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     progress(f"wrote {path}")
+
+
+def add_workload_arguments(parser, per: str) -> None:
+    """The options every benchmark shares: timed and warm-up steps, batch and GPT shape."""
+    parser.add_argument("--steps", type=int, default=8, help=f"timed steps per {per}")
+    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
+    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
+    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
+    parser.add_argument("--width", type=int, default=128, help="embedding width (n_embd)")
+    parser.add_argument("--heads", type=int, default=4, help="attention heads")
+    parser.add_argument("--seq", type=int, default=128, help="sequence length (block_size)")
+    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
+
+
+def start_workload(args) -> tuple[int, int, torch.device, GPTConfig, nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """Join the job and build the workload of ``add_workload_arguments``' options:
+    (rank, world size, device, config, seeded reference model, this rank's batch)."""
+    rank, world_size, device = init_distributed()
+    if args.batch % world_size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world_size}")
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                    n_embd=args.width)
+    reference, batch = make_workload(cfg, args.batch, rank, world_size, device)
+    progress(f"GPT {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, {world_size} ranks "
+             f"on {device.type} ({dist.get_backend()}), global batch {args.batch} x {cfg.block_size} tokens")
+    return rank, world_size, device, cfg, reference, batch
