@@ -38,7 +38,7 @@ from torch import fx
 
 from compshard.ops import Layout, UnshardArgs
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op
+from compshard.passes.fx_utils import backward_nodes, compshard_ops, gathered_chain, is_op, node_order
 
 MB = 2**20
 
@@ -176,17 +176,11 @@ def _last_used_in_forward(graph: fx.Graph) -> str | None:
     """The parameter whose gathered value has the latest forward user of the joint graph;
     ``None`` without tangents (no backward). AOTAutograd traces the joint graph in
     execution order, so forward is every node before the first that reads a tangent."""
-    backward: set[fx.Node] = set()
-    boundary = None
-    for index, node in enumerate(graph.nodes):
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or any(
-                arg in backward for arg in node.all_input_nodes):
-            backward.add(node)
-            if node.op != "placeholder" and boundary is None:
-                boundary = index
+    backward = backward_nodes(graph)
+    order = node_order(graph)
+    boundary = min((order[node] for node in backward if node.op != "placeholder"), default=None)
     if boundary is None:
         return None
-    order = {node: i for i, node in enumerate(graph.nodes)}
     last, latest = None, -1
     for node in graph.nodes:
         if is_op(node, compshard_ops.unshard.default):

@@ -79,6 +79,16 @@ def gathered_chain(unshard: fx.Node) -> list[fx.Node]:
     return chain
 
 
+def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Joint-graph nodes that depend on a tangent or that AOTAutograd tagged as backward."""
+    backward: set[fx.Node] = set()
+    for node in graph.nodes:
+        if (node.op == "placeholder" and node.name.startswith("tangents")) or \
+                node.meta.get("partitioner_tag") == "is_backward" or any(n in backward for n in node.all_input_nodes):
+            backward.add(node)
+    return backward
+
+
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
     return {node: i for i, node in enumerate(graph.nodes)}
 

@@ -56,7 +56,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from compshard.cost_model import Costs, costs_for, node_seconds
 from compshard.passes.assign_buckets import MB, repeated_block, repeated_containers
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aten, compshard_ops, gathered_chain, is_op, is_view, nbytes
+from compshard.passes.fx_utils import aten, backward_nodes, compshard_ops, gathered_chain, is_op, is_view, nbytes
 
 __all__ = ["RecomputeNote", "recompute", "record_saved", "block_of_nodes", "COMPUTE_INTENSIVE"]
 
@@ -134,16 +134,6 @@ def block_of_nodes(nodes: list[fx.Node]) -> dict[fx.Node, str]:
     paths = {node: path for node in nodes if (path := _module_path(node)) is not None}
     containers = repeated_containers(paths.values())
     return {node: block for node, path in paths.items() if (block := repeated_block(path, containers))}
-
-
-def _backward_nodes(graph: fx.Graph) -> set[fx.Node]:
-    """Nodes that depend on a tangent or that AOTAutograd tagged as backward."""
-    backward: set[fx.Node] = set()
-    for node in graph.nodes:
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or \
-                node.meta.get("partitioner_tag") == "is_backward" or any(n in backward for n in node.all_input_nodes):
-            backward.add(node)
-    return backward
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -304,7 +294,7 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> None:
     if option == "none":
         return
     graph = gm.graph
-    backward = _backward_nodes(graph)
+    backward = backward_nodes(graph)
     forward = [n for n in graph.nodes if n.op == "call_function" and n not in backward]
     policy = _Policy(forward, backward, _group_costs(graph))
     if isinstance(option, Mapping):
