@@ -16,6 +16,7 @@ Numerics, precisely:
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -27,16 +28,17 @@ def all_gather_copy_in_reference(
     shards: Sequence[torch.Tensor], shard_numels: Sequence[int], dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
     """Flatten, cast and zero-pad shard i to ``shard_numels[i]``; concatenate (length ``S``),
-    into ``out`` when given."""
-    pieces = []
-    for shard, length in zip(shards, shard_numels):
-        flat = shard.reshape(-1).to(dtype)
-        if flat.numel() < length:
-            flat = torch.cat([flat, flat.new_zeros(length - flat.numel())])
-        pieces.append(flat)
-    if not pieces:
+    into ``out`` when given. Each element is written once (the cast happens in the copy)."""
+    layout = _layout(tuple(shard_numels))
+    if not shards:
         return torch.empty(0, dtype=dtype)
-    return torch.cat(pieces) if out is None else torch.cat(pieces, out=out)
+    buffer = torch.empty(layout.total, dtype=dtype, device=shards[0].device) if out is None else out
+    for shard, off, length in zip(shards, layout.offsets, shard_numels):
+        n = shard.numel()
+        buffer[off : off + n].copy_(shard.reshape(-1))
+        if n < length:
+            buffer[off + n : off + length].zero_()
+    return buffer
 
 
 def all_gather_copy_out_reference(
@@ -47,22 +49,25 @@ def all_gather_copy_out_reference(
     dtype: torch.dtype | None = None,
     out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Parameter i = concat over ranks of its segment in each rank's chunk, first numel(shape) elements."""
+    """Parameter i = concat over ranks of its segment in each rank's chunk, first numel(shape)
+    elements: into ``out`` when given, else views of one new flat tensor. The whole rows
+    (one per rank) are copied as one strided block, the partial last row after it."""
     layout = _layout(tuple(shard_numels))
     dtype = gathered.dtype if dtype is None else dtype
     per_rank = gathered.view(world_size, layout.total)
-    results = []
-    for i, (shape, off, length) in enumerate(zip(shapes, layout.offsets, shard_numels)):
-        numel = 1
-        for d in shape:
-            numel *= d
-        full = per_rank[:, off : off + length].reshape(-1)[:numel]
-        value = full.to(dtype=dtype, copy=True).view(tuple(shape))
-        if out is not None:
-            out[i].copy_(value)
-            value = out[i]
-        results.append(value)
-    return results
+    numels = [math.prod(shape) for shape in shapes]
+    if out is None:
+        flat = torch.empty(sum(numels), dtype=dtype, device=gathered.device)
+        out = [piece.view(tuple(shape)) for piece, shape in zip(flat.split(numels), shapes)]
+    for target, off, length, numel in zip(out, layout.offsets, shard_numels, numels):
+        target_flat = target.view(-1)
+        rows = numel // length if length else 0
+        if rows:
+            target_flat[: rows * length].view(rows, length).copy_(per_rank[:rows, off : off + length])
+        rest = numel - rows * length
+        if rest:
+            target_flat[rows * length :].copy_(per_rank[rows, off : off + rest])
+    return list(out)
 
 
 def reduce_scatter_copy_in_reference(
@@ -72,14 +77,14 @@ def reduce_scatter_copy_in_reference(
     dtype: torch.dtype,
     divide_by: float | None = None,
 ) -> torch.Tensor:
-    """Rank-major ``world_size * S`` buffer; segment (r, i) = grads[i].flat[r*L[i] : (r+1)*L[i]]."""
+    """Rank-major ``world_size * S`` buffer; segment (r, i) = grads[i].flat[r*L[i] : (r+1)*L[i]].
+    Cast in the copy, then one in-place division of the whole buffer (the zero padding
+    stays +0.0, since ``divide_by > 0``)."""
     layout = _layout(tuple(shard_numels))
     device = grads[0].device if len(grads) else None
     buffer = torch.empty(world_size, layout.total, dtype=dtype, device=device)
     for grad, off, length in zip(grads, layout.offsets, shard_numels):
-        flat = grad.reshape(-1).to(dtype)
-        if divide_by is not None:
-            flat = flat / float(divide_by)
+        flat = grad.reshape(-1)
         region = buffer[:, off : off + length]  # rank r's segment of this gradient is row r
         rows = flat.numel() // length if length else world_size
         region[:rows].copy_(flat[: rows * length].view(rows, length))
@@ -88,6 +93,8 @@ def reduce_scatter_copy_in_reference(
             region[rows, :rest].copy_(flat[rows * length :])
             region[rows, rest:].zero_()
             region[rows + 1 :].zero_()
+    if divide_by is not None:
+        buffer.div_(float(divide_by))
     return buffer.view(-1)
 
 
