@@ -12,6 +12,8 @@ use), so the estimate tracks the real allocation order. Writes
 
 from __future__ import annotations
 
+import operator
+
 from torch import fx
 
 from compshard.passes.context import PassContext
@@ -22,9 +24,10 @@ LIVE_BYTES = "compshard_live_bytes"
 
 def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bool) -> fx.Node | None:
     if (node.op == "placeholder" and not count_inputs) or isinstance(node.meta.get("val"), (list, tuple)):
-        return None  # a multi-output node's getitems are counted instead
-    if is_view(node) or is_op(node, c10d.wait_tensor.default):
-        parent = node.args[0]
+        return None  # a multi-output node: its outputs count through their getitems
+    aliased = node.args[0] if node.target is operator.getitem and is_view(node.args[0]) else node  # split's outputs
+    if is_view(aliased) or is_op(aliased, c10d.wait_tensor.default):
+        parent = aliased.args[0]
         return roots.get(parent) if isinstance(parent, fx.Node) else None
     if "out" in node.kwargs:  # an out= op (the in-place all-gather) writes its out buffer
         return roots.get(node.kwargs["out"])
@@ -33,16 +36,21 @@ def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bo
 
 def live_bytes(graph: fx.Graph, count_inputs: bool) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
     """Estimated bytes live (inputs counted when ``count_inputs``) while each node runs
-    (its output allocated, nothing released yet) and after it (its dead inputs released)."""
+    (its outputs allocated, nothing released yet; a multi-output op allocates every
+    output it hands on) and after it (its dead inputs released)."""
     order = node_order(graph)
     roots: dict[fx.Node, fx.Node | None] = {}
     release_at: dict[fx.Node, int] = {}  # storage root -> index of the node after which it dies
+    allocates: dict[fx.Node, int] = {}  # node -> bytes of new storage while it runs
     outputs: set[fx.Node] = set()
     for node in graph.nodes:
         roots[node] = _storage_root(node, roots, count_inputs)
         root = roots[node]
         if root is None:
             continue
+        if root is node:
+            producer = node.args[0] if node.target is operator.getitem else node
+            allocates[producer] = allocates.get(producer, 0) + nbytes(node.meta.get("val"))
         for user in node.users:
             if user.op == "output":
                 outputs.add(root)
@@ -56,8 +64,7 @@ def live_bytes(graph: fx.Graph, count_inputs: bool) -> tuple[dict[fx.Node, int],
         if root not in outputs:
             releases.setdefault(index, []).append(root)
     for node in graph.nodes:
-        if roots[node] is node:
-            live += nbytes(node.meta.get("val"))
+        live += allocates.get(node, 0)
         during[node] = live
         for root in releases.get(order[node], []):
             live -= nbytes(root.meta.get("val"))
