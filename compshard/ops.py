@@ -22,8 +22,8 @@
     The pack/unpack work around one bucket's collective, lowered to
     :mod:`compshard.kernels` (one Triton launch per bucket on CUDA, the torch reference
     on CPU). Only the backend inserts them. A bucket's parameters are unpacked into one
-    flat tensor (one allocation, one free) that the graph views; gradients into one flat
-    tensor each.
+    flat tensor (one allocation, one free) that the graph views, also when several
+    buckets share one all-gather; gradients into one flat tensor each.
 
 Eagerly the ops communicate for real (so an uncompiled or graph-broken module trains
 correctly, one blocking collective per access); in a compiled graph they are markers that
@@ -284,19 +284,26 @@ def _(shards, shard_numels, dtype, world_size, rank):
 
 @torch.library.custom_op("compshard::all_gather_copy_out", mutates_args=())
 def all_gather_copy_out(
-    gathered: torch.Tensor, shard_numels: list[int], numels: list[int], world_size: int
-) -> torch.Tensor:
-    """The bucket's parameters back to back in one flat tensor (the graph views them)."""
-    flat = gathered.new_empty(sum(numels))
-    outputs = list(flat.split(numels))
+    gathered: torch.Tensor, shard_numels: list[int], numels: list[int], world_size: int, splits: list[int]
+) -> list[torch.Tensor]:
+    """The gathered parameters back to back in flat tensors, one per entry of ``splits``
+    (how many parameters it holds, in order): each bucket of a coalesced all-gather gets
+    its own, so each is freed on its own (the graph views them)."""
+    flats, outputs, start = [], [], 0
+    for count in splits:
+        flat = gathered.new_empty(sum(numels[start:start + count]))
+        flats.append(flat)
+        outputs.extend(flat.split(numels[start:start + count]))
+        start += count
     copy_out = _kernel("all_gather_copy_out", [gathered.dtype])
     copy_out(gathered, shard_numels, [(n,) for n in numels], world_size, out=outputs)
-    return flat
+    return flats
 
 
 @all_gather_copy_out.register_fake
-def _(gathered, shard_numels, numels, world_size):
-    return gathered.new_empty(sum(numels))
+def _(gathered, shard_numels, numels, world_size, splits):
+    starts = [sum(splits[:i]) for i in range(len(splits))]
+    return [gathered.new_empty(sum(numels[s:s + count])) for s, count in zip(starts, splits)]
 
 
 @torch.library.custom_op("compshard::reduce_scatter_copy_in", mutates_args=())

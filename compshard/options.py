@@ -26,7 +26,14 @@ class CompileOptions:
             most that many MB in order of first use. A list of module-name patterns
             (``fnmatch``, e.g. ``["blocks.*", "embed"]``): one bucket per module matched,
             the rest as for ``"auto"``. ``"none"``: one collective per parameter.
-        bucket_mb: size target (MB of gathered parameters) for the fallback buckets.
+        bucket_mb: size target (MB of gathered parameters) for the fallback buckets, and
+            the most one coalesced collective may carry.
+        coalesce: whether neighbouring buckets share one collective. ``"auto"``: the next
+            bucket's all-gather (reduce-scatter) joins the current one while they have
+            the same group and dtypes, the joined bytes fit ``bucket_mb`` and the
+            graph's estimated peak does not rise (see ``passes/coalesce_collectives.py``);
+            each bucket is still unpacked and freed on its own. ``"none"``: one
+            collective per bucket.
         prefetch: how early each all-gather starts. An int ``d``: ``d`` buckets ahead of
             its use (0: just before use). ``"auto"``: the nearest start that hides the
             most of the gather (cost model), never one that raises the estimated peak.
@@ -50,6 +57,7 @@ class CompileOptions:
     codegen: str = "fx"
     buckets: Any = "auto"
     bucket_mb: float = 32.0
+    coalesce: str = "auto"
     prefetch: Any = "auto"
     max_inflight_mb: float = 256.0
     memory_budget_mb: float | None = None
@@ -117,6 +125,7 @@ _VALIDATORS = {
     "codegen": _choice("fx", "inductor"),
     "buckets": _buckets,
     "bucket_mb": _positive,
+    "coalesce": _choice("auto", "none"),
     "prefetch": _prefetch,
     "max_inflight_mb": _positive,
     "memory_budget_mb": _budget,

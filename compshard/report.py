@@ -47,7 +47,7 @@ class Report:
         graphs: graph kind ("forward", "backward" or "inference") -> scheduled GraphModule.
         collectives: one dict per collective start or free, in graph order, with keys
             ``graph``, ``kind``, ``unit``, ``bytes``, ``params``, ``node``, ``bucket``
-            and, for frees, ``of`` (``"buffer"``: the all-gather output, ``"params"``: the
+            (the bucket names joined by ``+`` when buckets share the collective) and, for frees, ``of`` (``"buffer"``: the all-gather output, ``"params"``: the
             bucket's unpacked parameters).
         buckets: one dict per bucket: ``name``, ``params``, ``bytes`` (gathered),
             ``keep_gathered`` and ``prefetch`` (graph kind -> how many buckets ahead its

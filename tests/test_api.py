@@ -104,6 +104,7 @@ def test_inspect_at_world_size_one_and_leaves_grads_alone():
         ({"max_inflight_mb": 0}, "option 'max_inflight_mb' must be a number > 0"),
         ({"memory_budget_mb": -5}, "option 'memory_budget_mb' must be None or a number >= 0"),
         ({"bucket_mb": "big"}, "option 'bucket_mb' must be a number > 0"),
+        ({"coalesce": "always"}, "option 'coalesce' must be one of ['auto', 'none']"),
     ],
 )
 def test_bad_scheduling_options(options, message):

@@ -124,6 +124,10 @@ def _schedule_facts(report) -> dict:
         "kinds": [(c["graph"], c["kind"], tuple(c["params"])) for c in report.collectives],
         "fingerprints": report.fingerprints,
         "backward_gathers": sum(1 for c in report.collectives if c["graph"] == "backward" and c["kind"] == "all_gather"),
+        "backward_gathered_buckets": sorted(name for c in report.collectives if (c["graph"], c["kind"]) == (
+            "backward", "all_gather") for name in c["bucket"].split("+")),
+        "forward_freed_groups": sorted(tuple(c["params"]) for c in report.collectives
+                                       if (c["graph"], c["kind"], c["of"]) == ("forward", "free", "params")),
         "forward_freed": sorted(p for c in report.collectives
                                 if (c["graph"], c["kind"], c["of"]) == ("forward", "free", "params") for p in c["params"]),
         "buckets": sorted({c["bucket"] for c in report.collectives if c.get("bucket")}),
@@ -183,6 +187,10 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     late = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options={"prefetch": 0})
     results["peak_bytes"]["prefetch 0"] = late.peak_bytes
     torch._dynamo.reset()
+    separate = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options={"coalesce": "none"})
+    results["separate"] = _schedule_facts(separate)
+    results["peak_bytes"]["separate"] = separate.peak_bytes
+    torch._dynamo.reset()
     kept = compshard.shard(copy.deepcopy(model), reshard_after_forward=False)
     results["keep"] = _schedule_facts(compshard.inspect(kept, *local))
     results["trainable"] = sorted(compshard.sharding.param_specs(kept))
@@ -224,7 +232,7 @@ def test_gathered_parameters_are_saved_only_for_the_last_bucket_of_forward(sched
     for result in schedule_results:
         facts = result["reshard"]
         assert sorted(set(facts["saved_gathered"])) == last
-        assert facts["backward_gathers"] == 2  # the blocks are gathered again in backward instead
+        assert facts["backward_gathered_buckets"] == ["blocks.0", "blocks.1"]  # gathered again in backward instead
         assert sorted(set(facts["forward_freed"])) == sorted(set(trainable) - set(last))
 
 
@@ -247,7 +255,7 @@ def test_reshard_after_forward_false_keeps_parameters_gathered(schedule_results)
 def test_one_bucket_per_block_with_one_gather_and_one_reduce_scatter(schedule_results):
     trainable = schedule_results[0]["trainable"]
     for result in schedule_results:
-        kinds = result["reshard"]["kinds"]
+        kinds = result["separate"]["kinds"]
         forward_gathers = [ps for g, k, ps in kinds if (g, k) == ("forward", "all_gather")]
         reduced = [ps for g, k, ps in kinds if (g, k) == ("backward", "reduce_scatter")]
         assert sorted(p for ps in forward_gathers for p in ps) == trainable  # tied wte/lm_head gathered once
@@ -255,8 +263,24 @@ def test_one_bucket_per_block_with_one_gather_and_one_reduce_scatter(schedule_re
         blocks = sorted(sorted({p.split(".")[1] for p in ps}) for ps in forward_gathers if ps[0].startswith("blocks"))
         assert blocks == [["0"], ["1"]]
         assert len(forward_gathers) == 3 and len(reduced) == 3  # wte+wpe+ln_f pooled, blocks.0, blocks.1
-        assert result["reshard"]["metadata_complete"]
-        assert {"blocks.0", "blocks.1"} <= set(result["reshard"]["buckets"])
+        assert result["separate"]["metadata_complete"]
+        assert {"blocks.0", "blocks.1"} <= set(result["separate"]["buckets"])
+
+
+def test_coalesced_buckets_share_collectives_but_are_freed_apart(schedule_results):
+    for result in schedule_results:
+        coalesced, separate = result["reshard"], result["separate"]
+        for graph, kind in (("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")):
+            count = {facts_name: sum(1 for g, k, _ in facts["kinds"] if (g, k) == (graph, kind))
+                     for facts_name, facts in (("coalesced", coalesced), ("separate", separate))}
+            assert count["coalesced"] <= count["separate"], (graph, kind, count)
+        assert len([k for k in coalesced["kinds"] if k[1] != "free"]) < len([k for k in separate["kinds"] if k[1] != "free"])
+        # each bucket's parameters are still released on their own, right after the bucket's last use
+        assert coalesced["forward_freed_groups"] == separate["forward_freed_groups"]
+        assert len(coalesced["forward_freed_groups"]) == 2  # blocks.0 and blocks.1 (the pooled bucket is kept)
+        assert coalesced["metadata_complete"]
+        for graph in ("forward", "backward"):  # never at a higher estimated peak
+            assert result["peak_bytes"]["auto"][graph] <= result["peak_bytes"]["separate"][graph], graph
 
 
 def test_every_rank_builds_the_same_schedule(schedule_results):

@@ -6,10 +6,11 @@ module whose docstring states what holds before and after it.
   dynamo graph   dedupe_unshard
   joint graph    drop_redundant_clones, assign_buckets, tag_gathered_params, recompute,
                  then the min-cut partitioner
-  forward        lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory,
+  forward        coalesce_collectives, lower_unshard, estimate_costs, prefetch,
+                 insert_free, estimate_memory, check_schedule
+  backward       coalesce_collectives, lower_unshard, lower_reduce_grad, estimate_costs,
+                 prefetch, bound_reduce_scatters, insert_free, estimate_memory,
                  check_schedule
-  backward       lower_unshard, lower_reduce_grad, estimate_costs, prefetch,
-                 bound_reduce_scatters, insert_free, estimate_memory, check_schedule
   inference      drop_redundant_clones, assign_buckets (no joint graph is made for
                  inference), then as forward
 """
@@ -23,6 +24,7 @@ from torch import fx
 from compshard.passes.assign_buckets import assign_buckets
 from compshard.passes.bound_reduce_scatters import bound_reduce_scatters
 from compshard.passes.check_schedule import ScheduleError, check_schedule
+from compshard.passes.coalesce_collectives import coalesce_collectives
 from compshard.passes.context import PassContext
 from compshard.passes.dedupe_unshard import dedupe_unshard
 from compshard.passes.drop_redundant_clones import drop_redundant_clones
@@ -40,11 +42,11 @@ Pass = Callable[[fx.GraphModule, PassContext], None]
 PIPELINES: dict[str, Sequence[Pass]] = {
     "dynamo": (dedupe_unshard,),
     "joint": (drop_redundant_clones, assign_buckets, tag_gathered_params, recompute),
-    "forward": (lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory, check_schedule),
-    "backward": (lower_unshard, lower_reduce_grad, estimate_costs, prefetch, bound_reduce_scatters, insert_free,
-                 estimate_memory, check_schedule),
-    "inference": (drop_redundant_clones, assign_buckets, lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory,
-                  check_schedule),
+    "forward": (coalesce_collectives, lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory, check_schedule),
+    "backward": (coalesce_collectives, lower_unshard, lower_reduce_grad, estimate_costs, prefetch, bound_reduce_scatters,
+                 insert_free,                 estimate_memory, check_schedule),
+    "inference": (drop_redundant_clones, assign_buckets, coalesce_collectives, lower_unshard, estimate_costs, prefetch,
+                  insert_free, estimate_memory, check_schedule),
 }
 
 

@@ -172,6 +172,18 @@ def members_by_bucket(nodes: list[fx.Node], ctx: PassContext) -> list[tuple[Buck
     return list(groups.values())
 
 
+def collective_members(nodes: list[fx.Node], ctx: PassContext, kind: str) -> list[list[tuple[Bucket, list[fx.Node]]]]:
+    """The buckets of ``nodes`` grouped by the collective of ``kind`` ("all_gather" or
+    "reduce_scatter") they share: the plan ``ctx.notes["coalesced"][kind]`` (lists of
+    bucket names, see ``coalesce_collectives``), each bucket alone where it has none."""
+    plan = ctx.notes.get("coalesced", {}).get(kind, [])
+    collective_of = {name: i for i, names in enumerate(plan) for name in names}
+    groups: dict[object, list[tuple[Bucket, list[fx.Node]]]] = {}
+    for bucket, members in members_by_bucket(nodes, ctx):
+        groups.setdefault(collective_of.get(bucket.name, bucket.name), []).append((bucket, members))
+    return list(groups.values())
+
+
 def _last_used_in_forward(graph: fx.Graph) -> str | None:
     """The parameter whose gathered value has the latest forward user of the joint graph;
     ``None`` without tangents (no backward). AOTAutograd traces the joint graph in

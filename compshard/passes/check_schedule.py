@@ -76,7 +76,7 @@ def _check_invariants(graph: fx.Graph, ctx: PassContext) -> None:
                     if late:
                         raise ScheduleError(f"{ctx.graph} graph: {late} use {buffer.name} after its free")
         meta = buffer.meta[META_KEY]
-        if ctx.graph == "forward" and escapes(buffer) and not kept[meta["bucket"]]:
+        if ctx.graph == "forward" and escapes(buffer) and not all(kept[name] for name in meta["buckets"]):
             raise ScheduleError(f"forward graph saves gathered parameter(s) {meta['params']} for backward "
                                 f"although their bucket {meta['bucket']} is resharded after forward")
 

@@ -1,8 +1,9 @@
-"""Backward pass: lower ``compshard::reduce_grad`` to one reduce-scatter per bucket.
+"""Backward pass: lower ``compshard::reduce_grad`` to bucketed reduce-scatters.
 
 Before: ``local = reduce_grad(full_grad, ...)`` per parameter; the bucket plan.
-After, per bucket, as soon as the last of its gradients exists (just before the latest
-member's marker): a ``pack`` node (``compshard::reduce_scatter_copy_in``: flatten, cast
+After, per collective of the plan (``ctx.notes["coalesced"]["reduce_scatter"]`` from
+``coalesce_collectives``; one bucket each without it), as soon as the last of its
+gradients exists (just before the latest member's marker): a ``pack`` node (``compshard::reduce_scatter_copy_in``: flatten, cast
 to the reduce dtype, divide by the world size, zero-pad into the rank-major buffer) and
 the ``reduce_scatter_tensor`` start (sum); just before the first use of any member's
 result that computes with it (for gradients that only leave the graph, through views
@@ -34,7 +35,7 @@ from torch import fx
 
 from compshard.ops import Layout, ReduceGradArgs, group_size
 from compshard.passes.context import PassContext
-from compshard.passes.assign_buckets import members_by_bucket
+from compshard.passes.assign_buckets import Bucket, collective_members
 from compshard.passes.fx_utils import (
     aten, c10d, compshard_ops, emit, first_use, is_op, is_view, node_order, schedule_meta, sink_before,
 )
@@ -86,10 +87,14 @@ def _only_views_to_output(node: fx.Node) -> bool:
     return is_view(node) and all(u.op == "output" or _only_views_to_output(u) for u in node.users)
 
 
-def _lower_bucket(graph: fx.Graph, bucket, members: list[fx.Node], label: str) -> tuple[fx.Node, ...] | None:
-    """Reduce-scatter within the shard group (when it has more than one rank), then
-    all-reduce across the replica group (when there is one). Returns, for both, the
-    reduce-scatter's start and wait and the all-reduce's start."""
+def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]],
+                      label: str) -> tuple[fx.Node, ...] | None:
+    """Reduce-scatter the buckets of ``group`` (usually one; several when coalesced) within
+    the shard group (when it has more than one rank), then all-reduce across the replica
+    group (when there is one). Returns, for both, the reduce-scatter's start and wait and
+    the all-reduce's start."""
+    members = [member for _, bucket_members in group for member in bucket_members]
+    bucket_names = [bucket.name for bucket, _ in group]
     first = ReduceGradArgs(*members[0].args)
     world_size, group_name, replicate_group = first.world_size, first.group_name, first.replicate_group
     replicas = group_size(replicate_group)
@@ -102,7 +107,8 @@ def _lower_bucket(graph: fx.Graph, bucket, members: list[fx.Node], label: str) -
     reduced_label = label if replicas == 1 else f"{label}.replicas"  # the collective whose result is unpacked
 
     def meta(kind: str, params: list[str], size: int, collective: str = label) -> dict:
-        return {**schedule_meta(kind, params, size, collective), "bucket": bucket.name}
+        return {**schedule_meta(kind, params, size, collective), "bucket": "+".join(bucket_names),
+                "buckets": bucket_names}
 
     order = node_order(graph)
     with graph.inserting_before(max(members, key=order.__getitem__)):
@@ -162,16 +168,26 @@ def _hand_off_early(graph: fx.Graph, handoffs: list[tuple[fx.Node, ...]]) -> Non
             next_pack.prepend(across)
 
 
-def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> None:
-    graph = gm.graph
+def reduced_in_bucket(reduce_grad: fx.Node) -> bool:
+    """Whether the gradient goes through its bucket's collective: it communicates (more
+    than one data-parallel rank) and is not replicated (0-d, all-reduced alone)."""
+    args = ReduceGradArgs(*reduce_grad.args)
+    communicates = args.world_size * group_size(args.replicate_group) > 1
+    return communicates and not Layout(tuple(args.full_shape), args.world_size, rank=0).replicated
+
+
+def lower_reduce_grads(graph: fx.Graph, ctx: PassContext) -> None:
+    """The pass on a bare graph (``coalesce_collectives`` lowers copies to compare plans)."""
     bucketed = []
     for index, node in enumerate([n for n in graph.nodes if is_op(n, compshard_ops.reduce_grad.default)]):
-        args = ReduceGradArgs(*node.args)
-        communicates = args.world_size * group_size(args.replicate_group) > 1
-        if not communicates or Layout(tuple(args.full_shape), args.world_size, rank=0).replicated:
-            _lower_alone(graph, node, f"{ctx.graph}.reduce.{index}")
-        else:
+        if reduced_in_bucket(node):
             bucketed.append(node)
-    handoffs = [_lower_bucket(graph, bucket, members, f"{ctx.graph}.reduce_scatter.{index}")
-                for index, (bucket, members) in enumerate(members_by_bucket(bucketed, ctx))]
+        else:
+            _lower_alone(graph, node, f"{ctx.graph}.reduce.{index}")
+    handoffs = [_lower_collective(graph, group, f"{ctx.graph}.reduce_scatter.{index}")
+                for index, group in enumerate(collective_members(bucketed, ctx, "reduce_scatter"))]
     _hand_off_early(graph, [h for h in handoffs if h is not None])
+
+
+def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> None:
+    lower_reduce_grads(gm.graph, ctx)

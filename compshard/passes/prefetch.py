@@ -1,26 +1,27 @@
-"""Forward/backward pass: start each bucket's all-gather early enough to hide it.
+"""Forward/backward pass: start each all-gather early enough to hide it.
 
-Before: each bucket's pack + all-gather start sits at its first member's place and its
-wait just before first use. The pass first moves every start down to just before its
-wait (no two gathers overlap), then
-after: bucket ``i``'s pack and start sit just after the wait of bucket ``i - d`` (the
-graph's start when ``i - d < 0``), so the gather runs while buckets ``i - d .. i - 1``
-compute. ``options.prefetch = d`` fixes the distance; ``"auto"`` picks, per bucket, the
-smallest ``d`` that hides the most of the gather's estimated time. What distance ``d``
-hides is its compute window (estimated seconds of the nodes between the start and the
-wait) less the time the gathers started in between (buckets ``i - d + 1 .. i - 1``)
-hold the link first, since collectives run one after another. So once communication
-outweighs compute, going further ahead hides nothing more and only holds more memory:
-``"auto"`` stays at the nearest distance that hides as much. ``"auto"`` also never raises
-the graph's estimated peak (``estimate_memory.live_bytes``, with every gather started
-at its wait): a gather whose pack and output bytes would lift the peak anywhere in its
-window starts later.
-Either way ``d`` shrinks until the bytes of all-gathers in flight at the start (started
-and not yet waited, this one included) fit ``max_inflight_mb``; a bucket alone may
-exceed it. Waits do not move, so every use still follows its wait; ``ctx.notes`` records
-each bucket's distance.
+Before: each collective's pack + all-gather start sits at its first member's place and
+its wait just before first use. The pass first moves every start down to just before its
+wait (no two gathers overlap), then moves each gather's pack and start earlier, in order
+of use:
 
-Trade-off: a larger distance hides more latency but holds more gathered bytes at once.
+- ``options.prefetch = d``: just after the wait of the gather ``d`` ahead (the graph's
+  start when there is none), so the gather runs while those buckets compute.
+- ``"auto"``: the nearest node that hides all of the gather's estimated time, else the
+  one that hides the most. What a start hides is the estimated compute between it and
+  the wait less the time of the gathers still queued ahead of it, since collectives run
+  one after another; so once communication outweighs compute, starting earlier hides
+  nothing more and only holds more memory. ``"auto"`` also never starts a gather where
+  its bytes would raise the graph's estimated peak (``estimate_memory.live_bytes`` with
+  every gather started at its wait) anywhere before its wait.
+
+Either way a gather never starts before the one used before it (issue order = order of
+use), and the bytes of all-gathers in flight at its start (started and not yet waited,
+this one included) fit ``max_inflight_mb``; a collective alone may exceed it. Waits do
+not move, so every use still follows its wait; ``ctx.notes["prefetch"]`` records, per
+bucket, across how many buckets' uses its gather runs (0: started at its wait).
+
+Trade-off: a longer lead hides more latency but holds more gathered bytes at once.
 """
 
 from __future__ import annotations
@@ -72,59 +73,82 @@ def _compute_prefix(graph: fx.Graph) -> list[float]:
     return prefix
 
 
-def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
-    graph = gm.graph
+def start_gathers_at_waits(graph: fx.Graph) -> list[dict]:
+    """Move every all-gather's pack and start to just before its wait (nothing in flight
+    at once); return the gathers in order of their waits."""
     gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: node_order(graph)[g["wait"]])
-    last_input = list(graph.find_nodes(op="placeholder"))[-1]
-    bound = ctx.options.max_inflight_mb * MB
-    for gather in gathers:  # from a known state: every start just before its wait, nothing in flight
+    for gather in gathers:
         for node in gather["pack"] + [gather["start"]]:
             gather["wait"].prepend(node)
-    auto = ctx.options.prefetch == "auto"
+    return gathers
+
+
+def _auto_start(gathers: list[dict], i: int, nodes: list[fx.Node], order: dict, during: dict, prefix: list[float],
+                peak: int, bound: float, earliest: int) -> int:
+    """The index gather ``i``'s pack goes to: walking back from where it is issued now,
+    the nearest position that hides all of its estimated time, else the one that hides
+    the most; never so early that its bytes lift ``peak`` or the in-flight bytes pass
+    ``bound`` anywhere on the way."""
+    gather = gathers[i]
+    issued_at = order[(gather["pack"] + [gather["start"]])[0]]
+    wait_position = order[gather["wait"]]
+    need = gather["start"].meta[SECONDS]
+    held = sum(nbytes(n.meta.get("val")) for n in gather["pack"] if not is_view(n))  # the gather fills it in place
+    best, best_hidden, highest = issued_at, 0.0, 0
+    for position in range(issued_at - 1, earliest - 1, -1):
+        highest = max(highest, during[nodes[position]])
+        if highest + held > peak or _inflight_bytes(gathers, i, position, order) > bound:
+            break
+        queued = sum(g["start"].meta[SECONDS] for g in gathers[:i] if order[g["wait"]] >= position)
+        hidden = min(need, prefix[wait_position] - prefix[position] - queued)
+        if hidden > best_hidden * (1 + 1e-6):
+            best, best_hidden = position, hidden
+        if hidden >= need:
+            break
+    return best
+
+
+def _fixed_start(gathers: list[dict], i: int, order: dict, first: int, distance: int, bound: float) -> int:
+    """The index gather ``i``'s pack goes to for ``distance`` buckets ahead (just after
+    the wait of gather ``i - distance``), shortened until the in-flight bytes fit ``bound``."""
+    issued_at = order[(gathers[i]["pack"] + [gathers[i]["start"]])[0]]
+    best = issued_at
+    for d in range(1, min(distance, i + 1) + 1):
+        position = order[gathers[i - d]["wait"]] + 1 if i - d >= 0 else first
+        if position >= issued_at or _inflight_bytes(gathers, i, position, order) > bound:
+            break
+        best = position
+    return best
+
+
+def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
+    graph = gm.graph
+    gathers = start_gathers_at_waits(graph)  # from a known state
+    last_input = list(graph.find_nodes(op="placeholder"))[-1]
+    bound = ctx.options.max_inflight_mb * MB
     count_inputs = ctx.graph == "backward"
     peak = max(live_bytes(graph, count_inputs)[0].values(), default=0)
     distances = {}
     for i, gather in enumerate(gathers):
         order = node_order(graph)
         nodes = list(graph.nodes)
-        prefix = _compute_prefix(graph)  # moving starts shifts positions, not compute
-        wait_position = order[gather["wait"]]
-        during = live_bytes(graph, count_inputs)[0] if auto else {}
-        held = sum(nbytes(n.meta.get("val")) for n in gather["pack"] if not is_view(n))  # the gather fills it in place
-        issued_at = order[(gather["pack"] + [gather["start"]])[0]]
-
-        def after(d: int) -> fx.Node:
-            """The node the start goes after for distance ``d``."""
-            return gathers[i - d]["wait"] if i - d >= 0 else last_input
-
-        allowed = []
-        for d in range(1, i + 2):
-            position = order[after(d)] + 1
-            if position >= order[gather["start"]] or _inflight_bytes(gathers, i, position, order) > bound:
-                break
-            if auto and max((during[n] for n in nodes[position:issued_at]), default=0) + held > peak:
-                break
-            allowed.append(d)
-        d = 0
-        if allowed and auto:
-            need = gather["start"].meta[SECONDS]
-
-            def hidden(d: int) -> float:
-                window = prefix[wait_position] - prefix[order[after(d)] + 1]
-                queued = sum(g["start"].meta[SECONDS] for g in gathers[i - d + 1:i])
-                return min(need, window - queued)
-
-            d = allowed[0]
-            for further in allowed[1:]:
-                if hidden(further) > hidden(d) * (1 + 1e-6):
-                    d = further
-        elif allowed:
-            d = min(ctx.options.prefetch, allowed[-1])
-        distances[gather["start"].meta[META_KEY]["bucket"]] = d
-        if d == 0:
-            continue
         moving = gather["pack"] + [gather["start"]]
-        cursor = after(d)
+        issued_at = order[moving[0]]
+        first = order[last_input] + 1
+        earliest = order[gathers[i - 1]["start"]] + 1 if i else first  # keep issue order = order of use
+        if ctx.options.prefetch == "auto":
+            position = _auto_start(gathers, i, nodes, order, live_bytes(graph, count_inputs)[0],
+                                   _compute_prefix(graph), peak, bound, earliest)
+        else:
+            position = _fixed_start(gathers, i, order, first, ctx.options.prefetch, bound)
+        # buckets ahead: how many buckets' uses the gather now runs across (0: it starts at its wait)
+        distance = 0 if position >= issued_at else i - max(
+            (j for j in range(i) if order[gathers[j]["wait"]] < position), default=-1)
+        for bucket in gather["start"].meta[META_KEY]["buckets"]:
+            distances[bucket] = distance
+        if position >= issued_at:
+            continue
+        cursor = nodes[position - 1]
         placed = {n for g in gathers[:i] for n in g["pack"] + [g["start"]]}
         while cursor.next in placed or is_view(cursor.next):  # keep issue order = order of use
             cursor = cursor.next
