@@ -166,8 +166,44 @@ def _independent_checks(graph) -> dict:
     return {"ordered": ordered, "early_use": early_use, "inflight": peak}
 
 
+def _scratch_check(world_size: int) -> dict:
+    """Bytes gloo allocates for itself during an all-gather and a reduce-scatter (profiler
+    allocation events, the output excluded) against the memory estimate's figure."""
+    from torch._C._profiler import _EventType
+    from torch.distributed.distributed_c10d import _get_default_group
+    from compshard.passes.estimate_memory import backend_scratch_bytes
+    from compshard.passes.fx_utils import c10d, schedule_meta
+
+    group = _get_default_group().group_name
+    shard, full = torch.randn(4096), torch.randn(4096 * world_size)
+    cases = {"all_gather": (c10d.all_gather_into_tensor_out.default, (shard, world_size, group),
+                            {"out": torch.empty(4096 * world_size)}),
+             "reduce_scatter": (c10d.reduce_scatter_tensor.default, (full, "sum", world_size, group), {})}
+    found = {}
+    for kind, (op, args, kwargs) in cases.items():
+        graph = torch.fx.Graph()
+        inputs = [graph.placeholder(f"x{i}") for i, _ in enumerate(args[:1])]
+        inputs[0].meta["val"] = args[0]
+        start = graph.call_function(op, (inputs[0], *args[1:]), kwargs)
+        start.meta.update(val=kwargs.get("out", torch.empty(4096)), compshard=schedule_meta(kind, ["p"], 0))
+        graph.call_function(c10d.wait_tensor.default, (start,))
+        run = lambda: c10d.wait_tensor.default(op(*args, **kwargs))  # noqa: E731
+        run()
+        with torch.profiler.profile(profile_memory=True) as prof:
+            result = run()
+        events, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
+        while pending:
+            event = pending.pop()
+            pending.extend(event.children)
+            if event.tag == _EventType.Allocation and event.extra_fields.alloc_size > 0:
+                events.append(event.extra_fields.alloc_size)
+        output = 0 if kwargs else result.numel() * result.element_size()  # an out= op allocates no output
+        found[kind] = (sum(events) - output, backend_scratch_bytes(start))
+    return found
+
+
 def schedule_worker(rank: int, world_size: int) -> dict:
-    results = {}
+    results = {"scratch": _scratch_check(world_size)}
     model, batch = make_model("gpt")
     local = tuple(t.chunk(world_size)[rank] for t in batch)
     report = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, profile=True)
@@ -281,6 +317,12 @@ def test_coalesced_buckets_share_collectives_but_are_freed_apart(schedule_result
         assert coalesced["metadata_complete"]
         for graph in ("forward", "backward"):  # never at a higher estimated peak
             assert result["peak_bytes"]["auto"][graph] <= result["peak_bytes"]["separate"][graph], graph
+
+
+def test_memory_estimate_counts_the_backend_scratch_of_collectives(schedule_results):
+    for result in schedule_results:
+        for kind, (measured, estimated) in result["scratch"].items():
+            assert measured > 0 and estimated == measured, (kind, measured, estimated)
 
 
 def test_every_rank_builds_the_same_schedule(schedule_results):

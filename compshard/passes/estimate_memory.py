@@ -6,7 +6,8 @@ are all still held, is often the step's peak). Forward and inference inputs are 
 the caller and not counted. A storage is live from the node that creates it until the
 last use of any alias of it, or its ``free``; storages that reach the graph outputs stay
 live to the end. This is what the FX executor does (it drops each value after its last
-use), so the estimate tracks the real allocation order. Writes
+use), so the estimate tracks the real allocation order. Collectives in flight also hold
+their backend's scratch buffers (gloo's; see ``backend_scratch_bytes``). Writes
 ``meta["compshard_live_bytes"]`` on every node and the peak into ``ctx.notes``.
 """
 
@@ -15,9 +16,10 @@ from __future__ import annotations
 import operator
 
 from torch import fx
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import c10d, compshard_ops, is_op, is_view, nbytes, node_order
+from compshard.passes.fx_utils import c10d, compshard_ops, is_op, is_view, nbytes, node_order, schedule_kind
 
 LIVE_BYTES = "compshard_live_bytes"
 
@@ -34,10 +36,31 @@ def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bo
     return node
 
 
+def backend_scratch_bytes(start: fx.Node) -> int:
+    """Bytes the process group's backend allocates for itself while the collective
+    ``start`` runs, until its wait. Measured with the profiler's allocation events on
+    gloo (torch 2.13): an all-gather receives into two temporaries of its output's size,
+    then copies them into the output; a reduce-scatter reduces a copy of its input; an
+    all-reduce allocates nothing beyond its output. None counted for other backends
+    (NCCL writes the output in place)."""
+    kind = schedule_kind(start)
+    if kind not in ("all_gather", "reduce_scatter"):
+        return 0
+    try:
+        group = _resolve_process_group(start.args[-1])
+        backend = group._get_backend(start.meta["val"].device).name()
+    except (RuntimeError, ValueError, KeyError, AttributeError):  # no such group here: nothing known
+        return 0
+    if backend != "gloo":
+        return 0
+    return 2 * nbytes(start.meta["val"]) if kind == "all_gather" else nbytes(start.args[0].meta["val"])
+
+
 def live_bytes(graph: fx.Graph, count_inputs: bool) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
     """Estimated bytes live (inputs counted when ``count_inputs``) while each node runs
     (its outputs allocated, nothing released yet; a multi-output op allocates every
-    output it hands on) and after it (its dead inputs released)."""
+    output it hands on; a collective start, its backend's scratch until the wait) and
+    after it (its dead inputs released)."""
     order = node_order(graph)
     roots: dict[fx.Node, fx.Node | None] = {}
     release_at: dict[fx.Node, int] = {}  # storage root -> index of the node after which it dies
@@ -58,16 +81,21 @@ def live_bytes(graph: fx.Graph, count_inputs: bool) -> tuple[dict[fx.Node, int],
                 release_at[root] = order[user]
             else:
                 release_at[root] = max(release_at.get(root, order[user]), order[user])
-    live, during, after = 0, {}, {}
-    releases: dict[int, list[fx.Node]] = {}
+    released: dict[int, int] = {}  # node index -> bytes released after it
     for root, index in release_at.items():
         if root not in outputs:
-            releases.setdefault(index, []).append(root)
+            released[index] = released.get(index, 0) + nbytes(root.meta.get("val"))
+    for node in graph.nodes:
+        scratch = backend_scratch_bytes(node)
+        if scratch:
+            allocates[node] = allocates.get(node, 0) + scratch
+            wait = order[next(iter(node.users))]
+            released[wait] = released.get(wait, 0) + scratch
+    live, during, after = 0, {}, {}
     for node in graph.nodes:
         live += allocates.get(node, 0)
         during[node] = live
-        for root in releases.get(order[node], []):
-            live -= nbytes(root.meta.get("val"))
+        live -= released.get(order[node], 0)
         after[node] = live
     return during, after
 

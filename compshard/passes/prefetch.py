@@ -30,7 +30,7 @@ from torch import fx
 
 from compshard.passes.context import PassContext
 from compshard.passes.estimate_costs import SECONDS
-from compshard.passes.estimate_memory import live_bytes
+from compshard.passes.estimate_memory import backend_scratch_bytes, live_bytes
 from compshard.passes.fx_utils import META_KEY, hoist_before, is_view, nbytes, node_order, schedule_kind
 
 MB = 2**20
@@ -93,7 +93,8 @@ def _auto_start(gathers: list[dict], i: int, nodes: list[fx.Node], order: dict, 
     issued_at = order[(gather["pack"] + [gather["start"]])[0]]
     wait_position = order[gather["wait"]]
     need = gather["start"].meta[SECONDS]
-    held = sum(nbytes(n.meta.get("val")) for n in gather["pack"] if not is_view(n))  # the gather fills it in place
+    held = sum(nbytes(n.meta.get("val")) for n in gather["pack"] if not is_view(n)) \
+        + backend_scratch_bytes(gather["start"])  # the output (filled in place) and the backend's own
     best, best_hidden, highest = issued_at, 0.0, 0
     for position in range(issued_at - 1, earliest - 1, -1):
         highest = max(highest, during[nodes[position]])
