@@ -73,6 +73,8 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         run_passes(joint, PassContext(opts, "joint", shared=shared))
         forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
+        shared["saved_count"] = sum(1 for node in backward.graph.find_nodes(op="placeholder")
+                                    if not node.name.startswith("tangents"))
         record_saved(forward, backward, shared)
         return forward, backward
 

@@ -46,6 +46,21 @@ class UnevenFrozen(nn.Module):
         return F.mse_loss(out, y)
 
 
+class GraphBreakGPT(GPT):
+    """The GPT with a graph break inside its block loop: Dynamo then skips the whole
+    forward frame and compiles each module's forward as its own graph, so one graph
+    returns a gathered parameter to eager code (the tied head's weight) and the buckets
+    are planned per fragment."""
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        x = self.drop(self.wte(idx) + self.wpe(torch.arange(idx.size(1), device=idx.device)))
+        for block in self.blocks:
+            torch._dynamo.graph_break()
+            x = block(x)
+        logits = self.lm_head(self.ln_f(x))
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
 def make_model(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
     """The model (seeded init) and one global batch of its inputs."""
     generator = torch.Generator().manual_seed(1234)
@@ -54,7 +69,8 @@ def make_model(name: str) -> tuple[nn.Module, tuple[torch.Tensor, ...]]:
         return MLP(), (torch.randn(8, 16, generator=generator), torch.randn(8, 1, generator=generator))
     if name == "uneven":
         return UnevenFrozen(), (torch.randn(8, 7, generator=generator), torch.randn(8, 3, generator=generator))
-    if name == "gpt":
+    if name in ("gpt", "gpt-graph-break"):
         tokens = torch.randint(0, TINY_GPT.vocab_size, (8, TINY_GPT.block_size + 1), generator=generator)
-        return GPT(TINY_GPT), (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+        model = GPT(TINY_GPT) if name == "gpt" else GraphBreakGPT(TINY_GPT)
+        return model, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
     raise ValueError(f"unknown test model {name!r}")

@@ -24,7 +24,7 @@ from tests.distributed import run_distributed
 from tests.models import make_model
 from tests.training import RTOL, parity
 
-PARITY_MODELS = ("mlp", "gpt", "uneven")
+PARITY_MODELS = ("mlp", "gpt", "uneven", "gpt-graph-break")
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -3,8 +3,9 @@
 Invariants (a violation is a compshard bug and raises ``ScheduleError``):
   - every collective start has exactly one wait, after it; every wait follows a start;
   - every use of a gathered buffer comes after its wait, and its ``free`` after all uses;
-  - no gathered parameter of a bucket resharded after forward leaves the forward graph
-    (it is never saved for backward);
+  - no gathered parameter of a bucket resharded after forward is saved for backward (a
+    forward output that the backward takes; a user output may be one: a graph that
+    returns a parameter, as Dynamo makes of a module's forward after a graph break);
   - at every collective start, the bytes of collectives of its kind started and not yet
     waited (itself included) fit ``max_inflight_mb``, unless it is alone in flight.
 
@@ -30,7 +31,7 @@ from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     COLLECTIVE_KINDS, META_KEY, aliases, c10d, collective_group, is_op, is_view, node_order, schedule_kind,
 )
-from compshard.passes.insert_free import escapes, gathered_buffers
+from compshard.passes.insert_free import gathered_buffers
 
 _STARTS = COLLECTIVE_KINDS
 
@@ -65,6 +66,7 @@ def _check_invariants(graph: fx.Graph, ctx: PassContext) -> None:
         if is_op(node, c10d.wait_tensor.default) and schedule_kind(node.args[0]) not in _STARTS:
             raise ScheduleError(f"{ctx.graph} graph: wait {node.name} does not follow a collective start")
     kept = {bucket.name: bucket.keep_gathered for bucket in ctx.shared.get("buckets", [])}
+    saved = saved_for_backward(graph, ctx)
     for buffer in gathered_buffers(graph):
         group = aliases(buffer)
         for alias in group:
@@ -76,9 +78,18 @@ def _check_invariants(graph: fx.Graph, ctx: PassContext) -> None:
                     if late:
                         raise ScheduleError(f"{ctx.graph} graph: {late} use {buffer.name} after its free")
         meta = buffer.meta[META_KEY]
-        if ctx.graph == "forward" and escapes(buffer) and not all(kept[name] for name in meta["buckets"]):
+        if any(alias in saved for alias in group) and not all(kept[name] for name in meta["buckets"]):
             raise ScheduleError(f"forward graph saves gathered parameter(s) {meta['params']} for backward "
                                 f"although their bucket {meta['bucket']} is resharded after forward")
+
+
+def saved_for_backward(graph: fx.Graph, ctx: PassContext) -> set[fx.Node]:
+    """The forward graph's outputs that the backward takes: AOTAutograd puts them after
+    the user's outputs, and the backward has one input other than a tangent for each
+    (``ctx.shared["saved_count"]``, recorded at the partition). Empty for other graphs."""
+    count = ctx.shared.get("saved_count", 0) if ctx.graph == "forward" else 0
+    outputs = graph.output_node().args[0]
+    return {value for value in outputs[len(outputs) - count:] if isinstance(value, fx.Node)} if count else set()
 
 
 def _check_inflight(graph: fx.Graph, ctx: PassContext) -> None:
