@@ -6,7 +6,7 @@
 In one run, on the same machine, the same GPT (harness.make_workload: same weights, same
 global batch) is trained with compshard under each policy of the ``recompute`` option:
 "none", "selective", "full" and {"budget_mb": X} (harness.train: forward, backward, AdamW
-step; warm-up steps, where compilation happens, are not timed). X is --budget-mb, or by
+step; warm-up steps, where compilation happens, are not timed; timed steps round-robin). X is --budget-mb, or by
 default half-way between what "full" and "none" save (measured in this run, so the
 budget is feasible and binding).
 
@@ -40,7 +40,7 @@ from tabulate import tabulate
 
 import compshard
 from harness import (
-    add_workload_arguments, mib, progress, train, start_workload, wrap_compshard,
+    add_workload_arguments, mib, train, start_workload, wrap_compshard,
     write_results,
 )
 
@@ -56,12 +56,8 @@ def saved_for_backward(reference: torch.nn.Module, batch: tuple[torch.Tensor, ..
             "blocks": note.blocks_summary()}
 
 
-def measure(name: str, policy, reference, batch, args, device) -> dict:
-    """Train under ``policy`` and read what it saves; combine the ranks' figures."""
-    progress(f"{name}:")
-    result = train(name, functools.partial(wrap_compshard, recompute=policy), reference, batch,
-                   steps=args.steps, warmup=args.warmup, device=device)
-    note = saved_for_backward(reference, batch, policy)
+def row(policy, result, note: dict) -> dict:
+    """One policy's training result and what it saves, the ranks' figures combined."""
     per_rank: list = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes, note["saved"]))
     return {
@@ -120,13 +116,20 @@ def main() -> None:
     rank, world_size, device, cfg, reference, batch = start_workload(args)
     started = time.perf_counter()
 
-    rows = {policy: measure(policy, policy, reference, batch, args, device) for policy in FIXED_POLICIES}
+    policies = {policy: policy for policy in FIXED_POLICIES}
+    notes = {name: saved_for_backward(reference, batch, policy) for name, policy in policies.items()}
     budget_mb = args.budget_mb
     if budget_mb is None:
-        full, none = (rows[p]["saved_bytes"]["activations"] for p in ("full", "none"))
+        per_rank: list = [None] * world_size  # every rank must compile with the same budget
+        dist.all_gather_object(per_rank, [notes[p]["saved"]["activations"] for p in ("full", "none")])
+        full, none = (max(saved[i] for saved in per_rank) for i in range(2))
         budget_mb = round((full + none) / 2 / 2**20, 3)
     name = f"budget {budget_mb} MB"
-    rows[name] = measure(name, {"budget_mb": budget_mb}, reference, batch, args, device)
+    policies[name] = {"budget_mb": budget_mb}
+    notes[name] = saved_for_backward(reference, batch, policies[name])
+    results = train({name: functools.partial(wrap_compshard, recompute=policy) for name, policy in policies.items()},
+                    reference, batch, steps=args.steps, warmup=args.warmup, device=device)
+    rows = {name: row(policy, results[name], notes[name]) for name, policy in policies.items()}
 
     if rank == 0:
         print(tabulate(table(rows), headers=HEADERS))

@@ -19,7 +19,7 @@ from compshard.models import GPTConfig
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per system")
+    parser.add_argument("--steps", type=int, default=20, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     args = parser.parse_args()
@@ -32,9 +32,11 @@ def main() -> None:
     progress(f"GPT {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, "
              f"{world_size} ranks on {device.type}, global batch {args.batch} x {cfg.block_size} tokens")
     rows = []
-    for system in ("compshard", "fsdp2"):
-        progress(f"{system}:")
-        result = train(system, SYSTEMS[system], reference, batch, steps=args.steps, warmup=args.warmup, device=device)
+    systems = ("compshard", "fsdp2")
+    results = train({system: SYSTEMS[system] for system in systems}, reference, batch, steps=args.steps,
+                    warmup=args.warmup, device=device)
+    for system in systems:
+        result = results[system]
         per_rank = [None] * world_size
         dist.all_gather_object(per_rank, (result.peak_bytes, result.state_bytes))
         rows.append([

@@ -1,8 +1,11 @@
 """Side-by-side training runs for the demo and the benchmarks (run under torchrun).
 
-Every system trains the same GPT from the same initial weights on the same global batch,
-one after another inside the same processes, so their numbers come from one run on one
-machine. A system is a function that wraps a fresh model and returns the callable that
+Every system trains the same GPT from the same initial weights on the same global batch
+inside the same processes, so their numbers come from one run on one machine: warm-up
+(compilation) system by system, then the timed steps round-robin, one step of each
+system in turn, so a change in the machine's speed during the run (other load, thermal
+state) falls on every system alike (FSDP2 + compile runs after the others, on its own:
+see ``RUN_ALONE``). A system is a function that wraps a fresh model and returns the callable that
 runs one step's forward and the parameters for the optimizer.
 
 Measured per system: the global-mean loss of every step, the median step time (forward,
@@ -82,6 +85,11 @@ def wrap_ddp(model: nn.Module) -> Callable:
     return DistributedDataParallel(model)
 
 
+# FSDP2 + compile hits a graph break in the GPT's forward, and Dynamo then skips that
+# frame for every model of the process: a compiled system timed after it would run as
+# per-module graphs. So it trains after the others, on its own.
+RUN_ALONE = {"fsdp2+compile"}
+
 SYSTEMS: dict[str, Wrap] = {
     "compshard": wrap_compshard,
     "fsdp2": wrap_fsdp2,
@@ -152,41 +160,72 @@ def global_mean(value: torch.Tensor) -> float:
 
 
 def train(
-    system: str, wrap: Wrap, reference: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+    systems: dict[str, Wrap], reference: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     *, steps: int, warmup: int, device: torch.device,
-) -> Result:
-    """Train a copy of ``reference`` wrapped by ``wrap`` on this rank's ``batch``."""
+) -> dict[str, Result]:
+    """Train a copy of ``reference`` per system on this rank's ``batch``: the systems
+    round-robin (see ``_train_together``), then each system of ``RUN_ALONE`` on its own."""
+    together = {name: wrap for name, wrap in systems.items() if name not in RUN_ALONE}
+    results = _train_together(together, reference, batch, steps=steps, warmup=warmup, device=device)
+    for name in systems.keys() & RUN_ALONE:
+        results.update(_train_together({name: systems[name]}, reference, batch, steps=steps, warmup=warmup,
+                                       device=device))
+    return {name: results[name] for name in systems}
+
+
+def _train_together(
+    systems: dict[str, Wrap], reference: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
+    *, steps: int, warmup: int, device: torch.device,
+) -> dict[str, Result]:
+    """Each system's warm-up steps first (where compilation happens), then the timed
+    steps round-robin, one step of every system in turn, so that drift of the machine's
+    speed over the run falls on all systems alike; then each system's profiled step for
+    its peak memory."""
     torch._dynamo.reset()
-    model = copy.deepcopy(reference).to(device)
-    step_model = wrap(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable, Callable[[], torch.Tensor]]] = {}
+    losses: dict[str, list[float]] = {name: [] for name in systems}
+    times: dict[str, list[float]] = {name: [] for name in systems}
 
-    def step() -> torch.Tensor:
-        loss = step_model(*batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        return loss
-
-    losses, times = [], []
-    for index in range(warmup + steps):
+    def timed(name: str, label: str) -> float:
         if dist.is_initialized():
             dist.barrier()
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = step()
+        loss = runs[name][3]()
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
-        losses.append(global_mean(loss))
-        if index >= warmup:
-            times.append(elapsed)
-        progress(f"  {system}: step {index + 1}/{warmup + steps} loss {losses[-1]:.4f} ({elapsed * 1e3:.1f} ms)")
-    peak = peak_tensor_bytes(lambda: step_model(*batch).backward(), device, state_bytes(model, opt))
-    held = state_bytes(model, opt)  # now with this step's gradients
-    opt.zero_grad(set_to_none=True)
-    return Result(system, losses, times, peak, held)
+        losses[name].append(global_mean(loss))
+        progress(f"  {name}: {label} loss {losses[name][-1]:.4f} ({elapsed * 1e3:.1f} ms)")
+        return elapsed
+
+    for name, wrap in systems.items():
+        model = copy.deepcopy(reference).to(device)
+        step_model = wrap(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+        def step(step_model=step_model, opt=opt) -> torch.Tensor:
+            loss = step_model(*batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            return loss
+
+        runs[name] = (model, opt, step_model, step)
+        progress(f"{name}:")
+        for index in range(warmup):
+            timed(name, f"warm-up step {index + 1}/{warmup}")
+    for index in range(steps):
+        for name in systems:
+            times[name].append(timed(name, f"step {index + 1}/{steps}"))
+    results = {}
+    for name, (model, opt, step_model, _) in runs.items():
+        peak = peak_tensor_bytes(lambda: step_model(*batch).backward(), device, state_bytes(model, opt))
+        held = state_bytes(model, opt)  # now with this step's gradients
+        opt.zero_grad(set_to_none=True)
+        results[name] = Result(name, losses[name], times[name], peak, held)
+    return results
 
 
 def make_workload(cfg: GPTConfig, global_batch: int, rank: int, world_size: int, device: torch.device):
@@ -231,7 +270,7 @@ def write_results(path: Path, device: torch.device, config: dict, started: float
 
 def add_workload_arguments(parser, per: str) -> None:
     """The options every benchmark shares: timed and warm-up steps, batch and GPT shape."""
-    parser.add_argument("--steps", type=int, default=8, help=f"timed steps per {per}")
+    parser.add_argument("--steps", type=int, default=20, help=f"timed steps per {per}")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
     parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
