@@ -35,7 +35,7 @@ from compshard.ops import ReduceGradArgs, UnshardArgs
 from compshard.passes.assign_buckets import Bucket, members_by_bucket
 from compshard.passes.context import PassContext
 from compshard.passes.estimate_memory import live_bytes
-from compshard.passes.fx_utils import compshard_ops, is_op, node_order
+from compshard.passes.fx_utils import compshard_ops, is_op, node_order, reuse_emitted_values
 from compshard.passes.lower_reduce_grad import lower_reduce_grads, reduced_in_bucket
 from compshard.passes.lower_unshard import gathered_remotely, lower_gathers
 from compshard.passes.prefetch import start_gathers_at_waits
@@ -53,9 +53,10 @@ def _estimated_peak(graph: fx.Graph, ctx: PassContext, plan: dict[str, list[list
     """The peak bytes of ``graph`` lowered with ``plan``, every all-gather started at its wait."""
     trial = _copy(graph)
     trial_ctx = PassContext(ctx.options, ctx.graph, shared=ctx.shared, notes={"coalesced": plan})
-    lower_gathers(trial, trial_ctx)
-    if ctx.graph == "backward":
-        lower_reduce_grads(trial, trial_ctx)
+    with reuse_emitted_values():  # the trial is only measured: the same op on the same shapes is traced once
+        lower_gathers(trial, trial_ctx)
+        if ctx.graph == "backward":
+            lower_reduce_grads(trial, trial_ctx)
     start_gathers_at_waits(trial)
     return max(live_bytes(trial, count_inputs=ctx.graph == "backward")[0].values(), default=0)
 

@@ -7,8 +7,9 @@ Nodes a pass inserts carry ``meta["compshard"]`` (a :class:`ScheduleMeta` dict).
 
 from __future__ import annotations
 
+import contextlib
 import operator
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import fx
@@ -33,12 +34,45 @@ def emit(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, 
     """Create ``target(*args, **kwargs)`` at the graph's insertion point, with meta['val']."""
     kwargs = kwargs or {}
     node = graph.call_function(target, args, kwargs)
-    fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
-    with fake_mode_of(graph):
-        node.meta["val"] = target(*fake_args, **fake_kwargs)
+    key = None
+    if _reused_values is not None:
+        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        key = (target, str(spec), *(_value_key(leaf) if isinstance(leaf, fx.Node) else leaf for leaf in leaves))
+        if key in _reused_values:
+            node.meta["val"] = _reused_values[key]
+    if "val" not in node.meta:
+        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+        with fake_mode_of(graph):
+            node.meta["val"] = target(*fake_args, **fake_kwargs)
+        if key is not None:
+            _reused_values[key] = node.meta["val"]
     if meta is not None:
         node.meta[META_KEY] = meta
     return node
+
+
+_reused_values: dict | None = None
+
+
+def _value_key(node: fx.Node) -> tuple:
+    """The metadata an op's fake result depends on: shape, strides, offset, dtype, device."""
+    leaves, spec = torch.utils._pytree.tree_flatten(node.meta["val"])
+    return (str(spec), *((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
+                         if isinstance(t, torch.Tensor) else t for t in leaves))
+
+
+@contextlib.contextmanager
+def reuse_emitted_values() -> Iterator[None]:
+    """Within: ``emit`` computes an op's fake value once per op and argument metadata
+    (shapes, strides, dtypes) and hands the same value to later nodes alike. For graphs
+    that are only measured (shapes and bytes), not run or compiled: nodes then share
+    fake tensors, so storage identity no longer tells their values apart."""
+    global _reused_values
+    previous, _reused_values = _reused_values, {}
+    try:
+        yield
+    finally:
+        _reused_values = previous
 
 
 def is_op(node: fx.Node, *targets: Any) -> bool:
