@@ -220,6 +220,17 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         "exposed": {kind: t.exposed_comm for kind, t in report.timelines.items()},
     }
     torch._dynamo.reset()
+    with torch.no_grad():  # no backward: the inference graph
+        inference = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local)
+        got = torch.compile(compshard.shard(copy.deepcopy(model)), backend="compshard")(*local)
+    results["inference"] = {
+        "matches_eager": torch.equal(got, model(*local)),
+        "graphs": list(inference.graphs),
+        "gathered": sorted(p for c in inference.collectives if c["kind"] == "all_gather" for p in c["params"]),
+        "freed": sorted(p for c in inference.collectives if (c["kind"], c["of"]) == ("free", "params")
+                        for p in c["params"]),
+    }
+    torch._dynamo.reset()
     late = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options={"prefetch": 0})
     results["peak_bytes"]["prefetch 0"] = late.peak_bytes
     torch._dynamo.reset()
@@ -323,6 +334,14 @@ def test_memory_estimate_counts_the_backend_scratch_of_collectives(schedule_resu
     for result in schedule_results:
         for kind, (measured, estimated) in result["scratch"].items():
             assert measured > 0 and estimated == measured, (kind, measured, estimated)
+
+
+def test_inference_graph_gathers_and_frees_every_bucket(schedule_results):
+    for result in schedule_results:
+        facts = result["inference"]
+        assert facts["graphs"] == ["inference"] and facts["matches_eager"]
+        assert facts["gathered"] == result["trainable"]  # tied wte/lm_head gathered once
+        assert facts["freed"] == result["trainable"]  # nothing is kept for a backward
 
 
 def test_every_rank_builds_the_same_schedule(schedule_results):
