@@ -218,8 +218,9 @@ def _accumulate(name: str, rank: int, world_size: int, compiled: bool) -> dict:
 
 
 def _schedule(model, batch, rank: int, world_size: int) -> dict:
-    """The (graph, collective kind) pairs compiled, and (kind, size of its process group)."""
-    report = compshard.inspect(model, *local_batch(batch, rank, world_size))
+    """The (graph, collective kind) pairs compiled, and (kind, size of its process group);
+    one collective per bucket (no coalescing), so the order of reductions is per bucket."""
+    report = compshard.inspect(model, *local_batch(batch, rank, world_size), options={"coalesce": "none"})
     sizes = {(node.meta["compshard"]["kind"], dist.get_world_size(compshard.ops.resolve_group(node.args[-1])))
              for gm in report.graphs.values() for node in gm.graph.nodes
              if node.meta.get("compshard", {}).get("kind") in ("all_gather", "reduce_scatter", "all_reduce")}

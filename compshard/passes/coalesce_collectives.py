@@ -38,9 +38,7 @@ from compshard.passes.estimate_memory import live_bytes
 from compshard.passes.fx_utils import compshard_ops, is_op, node_order, reuse_emitted_values
 from compshard.passes.lower_reduce_grad import lower_reduce_grads, reduced_in_bucket
 from compshard.passes.lower_unshard import gathered_remotely, lower_gathers
-from compshard.passes.prefetch import start_gathers_at_waits
-
-MB = 2**20
+from compshard.passes.prefetch import MB, start_gathers_at_waits
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:
@@ -104,8 +102,8 @@ def coalesce_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
             if collectives and _key(collectives[-1][0][1][0]) == _key(pair[1][0]) \
                     and sum(bucket.nbytes for bucket, _ in collectives[-1]) + pair[0].nbytes <= cap:
                 joined = [*collectives[:-1], [*collectives[-1], pair]]
-                rest = [[pair] for pair in pairs[k + 1:]]
-                if _estimated_peak(graph, ctx, {**plan, kind: _names(joined + rest)}) <= bound:
+                alone_after = [[later] for later in pairs[k + 1:]]
+                if _estimated_peak(graph, ctx, {**plan, kind: _names(joined + alone_after)}) <= bound:
                     collectives = joined
                     continue
             collectives.append([pair])
