@@ -29,7 +29,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -159,6 +159,15 @@ def global_mean(value: torch.Tensor) -> float:
     return value.item()
 
 
+class _Run(NamedTuple):
+    """One system being trained: its model, optimizer, wrapped forward and full step."""
+
+    model: nn.Module
+    opt: torch.optim.Optimizer
+    forward: Callable
+    step: Callable[[], torch.Tensor]
+
+
 def train(
     systems: dict[str, Wrap], reference: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
     *, steps: int, warmup: int, device: torch.device,
@@ -167,7 +176,7 @@ def train(
     round-robin (see ``_train_together``), then each system of ``RUN_ALONE`` on its own."""
     together = {name: wrap for name, wrap in systems.items() if name not in RUN_ALONE}
     results = _train_together(together, reference, batch, steps=steps, warmup=warmup, device=device)
-    for name in systems.keys() & RUN_ALONE:
+    for name in [name for name in systems if name in RUN_ALONE]:  # in the caller's order, the same on every rank
         results.update(_train_together({name: systems[name]}, reference, batch, steps=steps, warmup=warmup,
                                        device=device))
     return {name: results[name] for name in systems}
@@ -182,7 +191,7 @@ def _train_together(
     speed over the run falls on all systems alike; then each system's profiled step for
     its peak memory."""
     torch._dynamo.reset()
-    runs: dict[str, tuple[nn.Module, torch.optim.Optimizer, Callable, Callable[[], torch.Tensor]]] = {}
+    runs: dict[str, _Run] = {}
     losses: dict[str, list[float]] = {name: [] for name in systems}
     times: dict[str, list[float]] = {name: [] for name in systems}
 
@@ -192,7 +201,7 @@ def _train_together(
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        loss = runs[name][3]()
+        loss = runs[name].step()
         if device.type == "cuda":
             torch.cuda.synchronize()
         elapsed = time.perf_counter() - start
@@ -212,7 +221,7 @@ def _train_together(
             opt.zero_grad(set_to_none=True)
             return loss
 
-        runs[name] = (model, opt, step_model, step)
+        runs[name] = _Run(model, opt, step_model, step)
         progress(f"{name}:")
         for index in range(warmup):
             timed(name, f"warm-up step {index + 1}/{warmup}")
@@ -220,10 +229,10 @@ def _train_together(
         for name in systems:
             times[name].append(timed(name, f"step {index + 1}/{steps}"))
     results = {}
-    for name, (model, opt, step_model, _) in runs.items():
-        peak = peak_tensor_bytes(lambda: step_model(*batch).backward(), device, state_bytes(model, opt))
-        held = state_bytes(model, opt)  # now with this step's gradients
-        opt.zero_grad(set_to_none=True)
+    for name, run in runs.items():
+        peak = peak_tensor_bytes(lambda: run.forward(*batch).backward(), device, state_bytes(run.model, run.opt))
+        held = state_bytes(run.model, run.opt)  # now with this step's gradients
+        run.opt.zero_grad(set_to_none=True)
         results[name] = Result(name, losses[name], times[name], peak, held)
     return results
 
