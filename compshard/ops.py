@@ -282,6 +282,12 @@ def _(shards, shard_numels, dtype, world_size, rank):
     return shards[0].new_empty(world_size * sum(shard_numels), dtype=dtype)
 
 
+def _split_numels(numels: list[int], splits: list[int]) -> list[list[int]]:
+    """``numels`` cut into consecutive runs of ``splits[i]`` parameters each."""
+    starts = [sum(splits[:i]) for i in range(len(splits))]
+    return [numels[start:start + count] for start, count in zip(starts, splits)]
+
+
 @torch.library.custom_op("compshard::all_gather_copy_out", mutates_args=())
 def all_gather_copy_out(
     gathered: torch.Tensor, shard_numels: list[int], numels: list[int], world_size: int, splits: list[int]
@@ -289,12 +295,9 @@ def all_gather_copy_out(
     """The gathered parameters back to back in flat tensors, one per entry of ``splits``
     (how many parameters it holds, in order): each bucket of a coalesced all-gather gets
     its own, so each is freed on its own (the graph views them)."""
-    flats, outputs, start = [], [], 0
-    for count in splits:
-        flat = gathered.new_empty(sum(numels[start:start + count]))
-        flats.append(flat)
-        outputs.extend(flat.split(numels[start:start + count]))
-        start += count
+    runs = _split_numels(numels, splits)
+    flats = [gathered.new_empty(sum(run)) for run in runs]
+    outputs = [piece for flat, run in zip(flats, runs) for piece in flat.split(run)]
     copy_out = _kernel("all_gather_copy_out", [gathered.dtype])
     copy_out(gathered, shard_numels, [(n,) for n in numels], world_size, out=outputs)
     return flats
@@ -302,8 +305,7 @@ def all_gather_copy_out(
 
 @all_gather_copy_out.register_fake
 def _(gathered, shard_numels, numels, world_size, splits):
-    starts = [sum(splits[:i]) for i in range(len(splits))]
-    return [gathered.new_empty(sum(numels[s:s + count])) for s, count in zip(starts, splits)]
+    return [gathered.new_empty(sum(run)) for run in _split_numels(numels, splits)]
 
 
 @torch.library.custom_op("compshard::reduce_scatter_copy_in", mutates_args=())

@@ -44,7 +44,7 @@ PIPELINES: dict[str, Sequence[Pass]] = {
     "joint": (drop_redundant_clones, assign_buckets, tag_gathered_params, recompute),
     "forward": (coalesce_collectives, lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory, check_schedule),
     "backward": (coalesce_collectives, lower_unshard, lower_reduce_grad, estimate_costs, prefetch, bound_reduce_scatters,
-                 insert_free,                 estimate_memory, check_schedule),
+                 insert_free, estimate_memory, check_schedule),
     "inference": (drop_redundant_clones, assign_buckets, coalesce_collectives, lower_unshard, estimate_costs, prefetch,
                   insert_free, estimate_memory, check_schedule),
 }

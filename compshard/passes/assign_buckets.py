@@ -38,9 +38,8 @@ from torch import fx
 
 from compshard.ops import Layout, UnshardArgs
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import backward_nodes, compshard_ops, gathered_chain, is_op, node_order
+from compshard.passes.fx_utils import MB, backward_nodes, compshard_ops, gathered_chain, is_op, node_order
 
-MB = 2**20
 
 
 @dataclass(frozen=True)

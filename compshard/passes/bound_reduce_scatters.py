@@ -18,8 +18,8 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import META_KEY, node_order
-from compshard.passes.prefetch import MB, collective_groups
+from compshard.passes.fx_utils import MB, META_KEY, node_order
+from compshard.passes.prefetch import collective_groups
 
 
 def bound_reduce_scatters(gm: fx.GraphModule, ctx: PassContext) -> None:

@@ -29,7 +29,7 @@ from torch import fx
 
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    COLLECTIVE_KINDS, META_KEY, aliases, c10d, collective_group, is_op, is_view, node_order, schedule_kind,
+    COLLECTIVE_KINDS, MB, META_KEY, aliases, c10d, collective_group, is_op, is_view, node_order, schedule_kind,
 )
 from compshard.passes.insert_free import gathered_buffers
 
@@ -93,7 +93,7 @@ def saved_for_backward(graph: fx.Graph, ctx: PassContext) -> set[fx.Node]:
 
 
 def _check_inflight(graph: fx.Graph, ctx: PassContext) -> None:
-    bound = ctx.options.max_inflight_mb * 2**20
+    bound = ctx.options.max_inflight_mb * MB
     inflight: dict[str, dict[fx.Node, int]] = {kind: {} for kind in _STARTS}
     for node in graph.nodes:
         kind = schedule_kind(node)

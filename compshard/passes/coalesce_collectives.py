@@ -35,10 +35,10 @@ from compshard.ops import ReduceGradArgs, UnshardArgs
 from compshard.passes.assign_buckets import Bucket, members_by_bucket
 from compshard.passes.context import PassContext
 from compshard.passes.estimate_memory import live_bytes
-from compshard.passes.fx_utils import compshard_ops, is_op, node_order, reuse_emitted_values
+from compshard.passes.fx_utils import MB, compshard_ops, is_op, node_order, reuse_emitted_values
 from compshard.passes.lower_reduce_grad import lower_reduce_grads, reduced_in_bucket
 from compshard.passes.lower_unshard import gathered_remotely, lower_gathers
-from compshard.passes.prefetch import MB, start_gathers_at_waits
+from compshard.passes.prefetch import start_gathers_at_waits
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:

@@ -19,7 +19,7 @@ from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import c10d, compshard_ops, is_op, is_view, nbytes, node_order, schedule_kind
+from compshard.passes.fx_utils import c10d, compshard_ops, is_op, is_view, nbytes, node_order, producer, schedule_kind
 
 LIVE_BYTES = "compshard_live_bytes"
 
@@ -71,9 +71,8 @@ def live_bytes(graph: fx.Graph, count_inputs: bool) -> tuple[dict[fx.Node, int],
         root = roots[node]
         if root is None:
             continue
-        if root is node:
-            producer = node.args[0] if node.target is operator.getitem else node
-            allocates[producer] = allocates.get(producer, 0) + nbytes(node.meta.get("val"))
+        if root is node:  # a new storage, allocated while the op behind it runs
+            allocates[producer(node)] = allocates.get(producer(node), 0) + nbytes(node.meta.get("val"))
         for user in node.users:
             if user.op == "output":
                 outputs.add(root)

@@ -20,6 +20,7 @@ c10d = torch.ops._c10d_functional
 compshard_ops = torch.ops.compshard
 
 META_KEY = "compshard"
+MB = 2**20  # the unit of the options' sizes
 
 
 def fake_mode_of(graph: fx.Graph):
@@ -73,6 +74,11 @@ def reuse_emitted_values() -> Iterator[None]:
         yield
     finally:
         _reused_values = previous
+
+
+def producer(node: fx.Node) -> fx.Node:
+    """The node that computes ``node``'s value: the op behind a getitem."""
+    return node.args[0] if node.target is operator.getitem else node
 
 
 def is_op(node: fx.Node, *targets: Any) -> bool:

@@ -3,9 +3,10 @@
 Before: ``local = reduce_grad(full_grad, ...)`` per parameter; the bucket plan.
 After, per collective of the plan (``ctx.notes["coalesced"]["reduce_scatter"]`` from
 ``coalesce_collectives``; one bucket each without it), as soon as the last of its
-gradients exists (just before the latest member's marker): a ``pack`` node (``compshard::reduce_scatter_copy_in``: flatten, cast
-to the reduce dtype, divide by the world size, zero-pad into the rank-major buffer) and
-the ``reduce_scatter_tensor`` start (sum); just before the first use of any member's
+gradients exists (just before the latest member's marker): a ``pack`` node
+(``compshard::reduce_scatter_copy_in``: flatten, cast to the reduce dtype, divide by the
+world size, zero-pad into the rank-major buffer) and the ``reduce_scatter_tensor`` start
+(sum); just before the first use of any member's
 result that computes with it (for gradients that only leave the graph, through views
 or not: the end of the graph; the deferral pass may pull it earlier to bound the bytes
 in flight): the ``wait_tensor`` and ``unpack`` nodes
@@ -17,9 +18,8 @@ Replica groups (strategies ``"hybrid_shard"`` and ``"no_shard"``): after the
 reduce-scatter's wait, the bucket's reduced shard is all-reduced across the replica
 group (its own start and wait; the unpack follows that wait); that wait and start sit
 just before the next bucket's reduce-scatter is packed, so the all-reduce overlaps the
-rest of backward. Without sharding (shard
-group of one rank) the packed bucket is all-reduced instead of reduce-scattered, started
-as soon as it is packed, as DDP does. The divisor is the number of data-parallel ranks.
+rest of backward. Without sharding (shard group of one rank) the packed bucket is
+all-reduced instead of reduce-scattered, started as soon as it is packed, as DDP does. The divisor is the number of data-parallel ranks.
 
 The arithmetic is the eager op's (divide, then sum over ranks, then cast), so compiled
 and eager gradients agree.

@@ -19,7 +19,7 @@ Either way a gather never starts before the one used before it (issue order = or
 use), and the bytes of all-gathers in flight at its start (started and not yet waited,
 this one included) fit ``max_inflight_mb``; a collective alone may exceed it. Waits do
 not move, so every use still follows its wait; ``ctx.notes["prefetch"]`` records, per
-bucket, across how many buckets' uses its gather runs (0: started at its wait).
+bucket, across how many other all-gathers' uses its gather runs (0: started at its wait).
 
 Trade-off: a longer lead hides more latency but holds more gathered bytes at once.
 """
@@ -31,9 +31,8 @@ from torch import fx
 from compshard.passes.context import PassContext
 from compshard.passes.estimate_costs import SECONDS
 from compshard.passes.estimate_memory import backend_scratch_bytes, live_bytes
-from compshard.passes.fx_utils import META_KEY, hoist_before, is_view, nbytes, node_order, schedule_kind
+from compshard.passes.fx_utils import MB, META_KEY, hoist_before, is_view, nbytes, node_order, schedule_kind
 
-MB = 2**20
 
 
 def collective_groups(graph: fx.Graph, kind: str) -> list[dict]:
@@ -110,7 +109,7 @@ def _auto_start(gathers: list[dict], i: int, nodes: list[fx.Node], order: dict, 
 
 
 def _fixed_start(gathers: list[dict], i: int, order: dict, first: int, distance: int, bound: float) -> int:
-    """The index gather ``i``'s pack goes to for ``distance`` buckets ahead (just after
+    """The index gather ``i``'s pack goes to for ``distance`` all-gathers ahead (just after
     the wait of gather ``i - distance``), shortened until the in-flight bytes fit ``bound``."""
     issued_at = order[(gathers[i]["pack"] + [gathers[i]["start"]])[0]]
     best = issued_at
@@ -142,7 +141,7 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
                                    _compute_prefix(graph), peak, bound, earliest)
         else:
             position = _fixed_start(gathers, i, order, first, ctx.options.prefetch, bound)
-        # buckets ahead: how many buckets' uses the gather now runs across (0: it starts at its wait)
+        # all-gathers ahead: across how many others' uses the gather now runs (0: it starts at its wait)
         distance = 0 if position >= issued_at else i - max(
             (j for j in range(i) if order[gathers[j]["wait"]] < position), default=-1)
         for bucket in gather["start"].meta[META_KEY]["buckets"]:

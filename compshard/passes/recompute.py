@@ -54,9 +54,11 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compshard.cost_model import Costs, costs_for, node_seconds
-from compshard.passes.assign_buckets import MB, repeated_block, repeated_containers
+from compshard.passes.assign_buckets import repeated_block, repeated_containers
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aten, backward_nodes, compshard_ops, gathered_chain, is_op, is_view, nbytes
+from compshard.passes.fx_utils import (
+    MB, aten, backward_nodes, compshard_ops, gathered_chain, is_op, is_view, nbytes, producer,
+)
 
 __all__ = ["RecomputeNote", "recompute", "record_saved", "block_of_nodes", "COMPUTE_INTENSIVE"]
 
@@ -140,11 +142,6 @@ def _is_random(node: fx.Node) -> bool:
     return torch.Tag.nondeterministic_seeded in getattr(node.target, "tags", ())
 
 
-def _producer(node: fx.Node) -> fx.Node:
-    """The node that computes ``node``'s value: the op behind a getitem."""
-    return node.args[0] if node.target is operator.getitem else node
-
-
 # ----------------------------------------------------------------------------- plans
 
 
@@ -179,7 +176,7 @@ def _walk(seeds: list[fx.Node], recompute_node: Callable[[fx.Node], bool | None]
             stack.extend(reversed(node.all_input_nodes))
         else:
             saved[node] = None
-    saved_bytes = sum(nbytes(n.meta.get("val")) for n in saved if "recompute" not in _producer(n).meta)
+    saved_bytes = sum(nbytes(n.meta.get("val")) for n in saved if "recompute" not in producer(n).meta)
     seconds = sum(seconds_of(n) for n in recomputed if "recompute" not in n.meta)
     return _Plan(list(saved), list(recomputed), list(outside), saved_bytes, seconds)
 
@@ -200,7 +197,7 @@ class _Policy:
         self.boundary = {node for node, block in self.block_of.items() if leaves_block(node, block)}
         for node in list(self.boundary):  # a view leaving a block is recomputed: keep its base
             while is_view(node) and isinstance(node.args[0], fx.Node):
-                node = _producer(node.args[0])
+                node = producer(node.args[0])
                 self.boundary.add(node)
         self.needed = [node for node in forward if any(user in backward for user in node.users)]
         self.costs = costs
@@ -219,20 +216,20 @@ class _Policy:
         in no block (None: outside the scope, left to the partitioner)."""
 
         def decide(node: fx.Node) -> bool | None:
-            producer = _producer(node)
-            tag = producer.meta.get("recompute")
+            computed_by = producer(node)
+            tag = computed_by.meta.get("recompute")
             if tag is not None:
                 return tag in _RECOMPUTE_TAGS
-            block = self.block_of.get(producer)
+            block = self.block_of.get(computed_by)
             level = levels[block] if block is not None else outside
             if level is None:
                 return None
-            if is_view(producer):
+            if is_view(computed_by):
                 return True
-            if level == Level.SAVE or producer in self.boundary or _is_random(producer):
+            if level == Level.SAVE or computed_by in self.boundary or _is_random(computed_by):
                 return False
             if level == Level.SELECTIVE:
-                return getattr(producer.target, "overloadpacket", None) not in COMPUTE_INTENSIVE
+                return getattr(computed_by.target, "overloadpacket", None) not in COMPUTE_INTENSIVE
             return True
 
         return decide
@@ -284,9 +281,9 @@ def _tag(plan: _Plan, save_outside_inputs: bool) -> None:
     """Tag the plan; tags set by earlier passes win."""
     for node in plan.recomputed:
         node.meta.setdefault("recompute", CheckpointPolicy.MUST_RECOMPUTE)
-    inputs = [n for n in plan.outside_inputs if not is_view(_producer(n))] if save_outside_inputs else []
+    inputs = [n for n in plan.outside_inputs if not is_view(producer(n))] if save_outside_inputs else []
     for node in plan.saved + inputs:
-        _producer(node).meta.setdefault("recompute", CheckpointPolicy.MUST_SAVE)
+        producer(node).meta.setdefault("recompute", CheckpointPolicy.MUST_SAVE)
 
 
 def recompute(gm: fx.GraphModule, ctx: PassContext) -> None:

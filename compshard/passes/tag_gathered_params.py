@@ -19,6 +19,7 @@ from torch.utils.checkpoint import CheckpointPolicy
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import aten, compshard_ops, gathered_chain, is_op
 
+
 def offload_copies(unshard: fx.Node) -> list[fx.Node]:
     """The copy of an offloaded shard to the GPU feeding ``unshard`` (``offload=True``):
     recomputed in backward like the gather, so no GPU copy of a shard is saved."""
