@@ -19,7 +19,8 @@ class CompileOptions:
     Attributes:
         codegen: ``"fx"`` runs the scheduled FX graphs as Python (fast to compile, the
             default); ``"inductor"`` hands them to Inductor for fused code.
-        buckets: how parameters are grouped into one all-gather / reduce-scatter each.
+        buckets: how parameters are grouped into buckets, each gathered, reduce-scattered
+            and freed as one piece (neighbouring buckets may share a collective: ``coalesce``).
             ``"auto"``: one bucket per repeated block of the module tree (``layers.3``),
             other parameters pooled into buckets of at most ``bucket_mb``; the bucket used
             last in forward stays gathered into backward. A number: buckets of at
@@ -34,11 +35,11 @@ class CompileOptions:
             graph's estimated peak does not rise (see ``passes/coalesce_collectives.py``);
             each bucket is still unpacked and freed on its own. ``"none"``: one
             collective per bucket.
-        prefetch: how early each all-gather starts. An int ``d``: ``d`` buckets ahead of
-            its use (0: just before use). ``"auto"``: the nearest start that hides the
+        prefetch: how early each all-gather starts. An int ``d``: ``d`` all-gathers ahead
+            of its use (0: just before use). ``"auto"``: the nearest start that hides the
             most of the gather (cost model), never one that raises the estimated peak.
         max_inflight_mb: bound on the bytes of collectives started and not yet waited
-            (per graph; a single bucket larger than the bound is still allowed alone).
+            (per graph; a single collective larger than the bound is still allowed alone).
         memory_budget_mb: MB of gathered parameters that may stay gathered from forward
             to backward (saving their re-gather); ``None``: none beyond what
             ``shard(reshard_after_forward=False)`` asks. Smallest buckets are kept first.
@@ -50,7 +51,8 @@ class CompileOptions:
             at most X MB of activations per rank, raising blocks to selective or full
             at the least estimated recompute time (a warning when it cannot fit).
         check_schedule: compare a fingerprint of every compiled schedule across ranks at
-            compile time and raise on a mismatch (one small collective per graph).
+            compile time and raise on a mismatch (exchanged through the c10d store, once
+            per graph).
         verify: check graph invariants after every pass (slower compiles; for debugging).
     """
 
@@ -105,7 +107,7 @@ def _buckets(value: Any) -> str | None:
 
 def _prefetch(value: Any) -> str | None:
     ok = value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 0)
-    return None if ok else "'auto' or an int >= 0 (buckets ahead)"
+    return None if ok else "'auto' or an int >= 0 (all-gathers ahead)"
 
 
 def _budget(value: Any) -> str | None:

@@ -47,11 +47,12 @@ class Report:
         graphs: graph kind ("forward", "backward" or "inference") -> scheduled GraphModule.
         collectives: one dict per collective start or free, in graph order, with keys
             ``graph``, ``kind``, ``unit``, ``bytes``, ``params``, ``node``, ``bucket``
-            (the bucket names joined by ``+`` when buckets share the collective) and, for frees, ``of`` (``"buffer"``: the all-gather output, ``"params"``: the
-            bucket's unpacked parameters).
+            (the bucket names joined by ``+`` when buckets share the collective) and, for
+            frees, ``of`` (``"buffer"``: the all-gather output, ``"params"``: the bucket's
+            unpacked parameters).
         buckets: one dict per bucket: ``name``, ``params``, ``bytes`` (gathered),
-            ``keep_gathered`` and ``prefetch`` (graph kind -> how many buckets ahead its
-            all-gather starts).
+            ``keep_gathered`` and ``prefetch`` (graph kind -> across how many all-gathers'
+            uses its all-gather runs; 0: started at its wait).
         timelines: graph kind -> estimated :class:`~compshard.timeline.Timeline`.
         fingerprints: graph kind -> schedule fingerprint (the same on every rank).
         peak_bytes: graph kind -> estimated peak bytes the graph allocates.
@@ -144,7 +145,7 @@ class Report:
         return "\n\n".join([
             *sharding,
             tabulate(table, headers=headers),
-            tabulate(buckets, headers=["bucket", "params", "gathered", "kept fw->bw", "prefetch (buckets ahead)"])
+            tabulate(buckets, headers=["bucket", "params", "gathered", "kept fw->bw", "prefetch (gathers ahead)"])
             if buckets else "no buckets (one rank: nothing to gather)",
             tabulate(summary, headers=["graph", "est ms", "compute ms", "comm ms", "exposed comm ms", "peak live",
                                        "fingerprint"]),
@@ -159,7 +160,7 @@ class Report:
         report was made with ``inspect(..., profile=True)``."""
         events: list[dict] = []
         offset = 0.0
-        for pid, (kind, timeline) in enumerate(self.timelines.items()):
+        for kind, timeline in self.timelines.items():
             for span in timeline.spans:
                 events.append({"name": span.name, "cat": span.kind, "ph": "X", "pid": f"estimated {kind}",
                                "tid": span.stream, "ts": (offset + span.start) * 1e6,

@@ -352,7 +352,7 @@ def test_every_rank_builds_the_same_schedule(schedule_results):
 def test_report_table_lists_the_schedule(schedule_results):
     table = schedule_results[0]["reshard"]["table"]
     for column in ("graph", "node", "kind", "bucket / unit", "bytes", "est ms", "in flight", "live after",
-                   "prefetch (buckets ahead)", "exposed comm ms"):
+                   "prefetch (gathers ahead)", "exposed comm ms"):
         assert column in table
     for kind in ("all_gather", "wait", "free", "reduce_scatter", "pack", "unpack"):
         assert kind in table
