@@ -27,6 +27,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from compshard.eager_gather import EagerReductions
+
 __all__ = ["GradSync", "no_sync", "set_requires_gradient_sync"]
 
 
@@ -35,6 +37,7 @@ class GradSync:
 
     def __init__(self) -> None:
         self.requires_sync = True
+        self.eager = EagerReductions()  # uncompiled gathers awaiting their gradients
         self.sinks: dict[str, torch.Tensor] = {}  # parameter name -> zero-stride full-shape leaf
 
     def mode(self, param: str) -> tuple[str, torch.Tensor | None]:

@@ -26,7 +26,7 @@
     buckets share one all-gather; gradients into one flat tensor each.
 
 Eagerly the ops communicate for real (so an uncompiled or graph-broken module trains
-correctly, one blocking collective per access); in a compiled graph they are markers that
+correctly, one blocking collective per parameter and module call); in a compiled graph they are markers that
 the lowering passes replace by asynchronous functional collectives. Parameters are
 identified by name (``param``), so every rank sees the same op arguments;
 ``reshard_after_forward`` tells the partitioning passes whether the gathered tensor may

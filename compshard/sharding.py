@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import warnings
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterator, Literal, get_args
 
@@ -32,8 +33,9 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from compshard import cost_model, ops
+from compshard import cost_model, eager_gather, ops
 from compshard.grad_sync import GradSync
 
 __all__ = ["shard", "full_state_dict", "sharding_config", "ShardingConfig", "ParamSpec", "param_specs", "is_sharded",
@@ -92,26 +94,24 @@ def _local(param: torch.Tensor) -> torch.Tensor:
 
 def _sharded_property(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
-        spec = self._compshard_specs[name]
-        shard = _local(self._parameters[name])
-        if spec.compute_device is not None:
-            shard = shard.to(spec.compute_device, non_blocking=True)
-        grad_sync, grad_sink = self._compshard_grad_sync.mode(spec.fqn)
-        return torch.ops.compshard.unshard(
-            shard,
-            list(spec.full_shape),
-            spec.world_size,
-            spec.group_name,
-            spec.fqn,
-            spec.param_dtype,
-            spec.reduce_dtype,
-            spec.reshard_after_forward,
-            spec.replicate_group,
-            grad_sync,
-            grad_sink,
-        )
+        return eager_gather.read(self, name, _unshard)
 
     return property(get, doc=f"'{name}' gathered to its full shape (compshard::unshard)")
+
+
+def _unshard(module: nn.Module, name: str) -> torch.Tensor:
+    spec = module._compshard_specs[name]
+    param = module._parameters[name]
+    shard = _local(param)
+    if spec.compute_device is not None:
+        shard = shard.to(spec.compute_device, non_blocking=True)
+    grad_sync, grad_sink = module._compshard_grad_sync.mode(spec.fqn)
+    args = (list(spec.full_shape), spec.world_size, spec.group_name, spec.fqn, spec.param_dtype, spec.reduce_dtype,
+            spec.reshard_after_forward, spec.replicate_group, grad_sync, grad_sink)
+    if torch.compiler.is_compiling():
+        return torch.ops.compshard.unshard(shard, *args)
+    communicates = spec.world_size > 1 or bool(spec.replicate_group)
+    return eager_gather.gather(param, shard, args, module._compshard_grad_sync.eager, communicates)
 
 
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -311,9 +311,11 @@ def shard(
             first. CUDA only: on a CPU-only run it is accepted with a warning, and
             ``sharding_config(module).offload`` is ``"nothing_to_offload"``.
 
-    Parameters must be identical on every rank before the call (same seed or loaded
-    state), as each rank keeps its own rows. Collective: the first call on a process group
-    also calibrates the cost model on it (a few small collectives, under a second).
+    Collective: parameters and buffers are first broadcast from the mesh's first rank (as
+    DDP does), so ranks may start from different initializations; the first call on a
+    process group also calibrates the cost model on it (a few small collectives, under a
+    second). Build the optimizer after this call: the parameters are new objects, and an
+    optimizer that holds the old ones raises at its first ``step``.
     """
     if not isinstance(module, nn.Module):
         raise TypeError(f"compshard.shard: module must be an nn.Module, got {type(module).__name__}")
@@ -330,6 +332,8 @@ def shard(
     if mesh is None:
         mesh = _default_mesh(module)
     offload_state, compute_device = _offload_device(offload, module, mesh)
+    if mesh is not None:
+        _broadcast_from_first_rank(module, mesh)
     groups = _groups(strategy, mesh)
     for group_name in (groups.shard_group, groups.replicate_group):
         if group_name and ops.group_size(group_name) > 1:
@@ -357,22 +361,88 @@ def shard(
                     compute_device=compute_device,
                 )
                 sharded[id(original)] = (_shard_param(original, spec, mesh, groups), spec)
+                original._compshard_replaced_by_shard = spec.fqn
             new_param, specs[name] = sharded[id(original)]
             sub._parameters[name] = new_param
         sub._compshard_specs = specs
         sub._compshard_grad_sync = grad_sync
         _install_properties(sub, names)
+        eager_gather.install_call_scope(sub, _unshard)
     if buffer_dtype is not None:
         for sub in module.modules():
             for name, buffer in sub._buffers.items():
                 if buffer is not None and torch.is_floating_point(buffer):
                     sub._buffers[name] = buffer.to(buffer_dtype)
+    _refuse_stale_optimizers()
     config = ShardingConfig(strategy, groups.shard_size, groups.replicate_size, reshard_after_forward, param_dtype,
                             reduce_dtype, output_dtype, cast_forward_inputs, buffer_dtype, offload_state)
     module._compshard_config = config
     module._compshard_grad_sync = grad_sync
     _install_casts(module, config)
     return module
+
+
+_BROADCAST_BUCKET_BYTES = 256 * 2**20
+
+
+def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Give every rank of ``mesh`` the first rank's parameters and buffers, as DDP does at
+    construction: ranks initialized differently (no common seed) would otherwise each keep
+    rows of their own model. Tensors of a dtype are flattened into buckets of at most
+    256 MiB, one broadcast each, along every mesh dimension in turn."""
+    tensors = list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        if dist.get_world_size(group) == 1:
+            continue
+        source = dist.get_global_rank(group, 0)
+        for same_kind in by_kind.values():
+            bucket: list[torch.Tensor] = []
+            for tensor in [*same_kind, None]:
+                full = tensor is None or sum(t.numel() for t in bucket) * tensor.element_size() >= _BROADCAST_BUCKET_BYTES
+                if bucket and full:
+                    flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+                    dist.broadcast(flat, source, group=group)
+                    with torch.no_grad():
+                        for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
+                            t.copy_(piece.view_as(t))
+                    bucket = []
+                if tensor is not None:
+                    bucket.append(tensor)
+
+
+_STALE_HOOK: list = []  # the one global optimizer pre-step hook, registered on first use
+
+
+def _refuse_stale_optimizers() -> None:
+    """An optimizer stepping a parameter that ``shard`` replaced (marked
+    ``_compshard_replaced_by_shard``) raises.
+
+    An optimizer built before ``shard`` holds the replaced parameters, which no longer
+    take part in forward or backward: it would step nothing and say nothing. The check
+    runs at each optimizer's first ``step`` (one pass over its parameters)."""
+    if not _STALE_HOOK:
+        _STALE_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
+
+
+_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+
+
+def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if optimizer in _CHECKED:
+        return
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            name = getattr(param, "_compshard_replaced_by_shard", None)
+            if name is not None:
+                raise RuntimeError(
+                    f"compshard: this {type(optimizer).__name__} holds parameter '{name}' as it was before "
+                    "compshard.shard replaced it, so stepping it would train nothing. Build the optimizer after "
+                    "compshard.shard(model), from model.parameters()")
+    _CHECKED.add(optimizer)
 
 
 def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, groups: _Groups) -> nn.Parameter:

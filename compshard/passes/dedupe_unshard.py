@@ -6,6 +6,12 @@ After: every later unshard of a parameter is replaced by the first one, so autog
 the full gradients of all uses before the single ``reduce_grad`` of that parameter: one
 all-gather and one reduce-scatter per parameter per graph. Running before AOTAutograd is
 what makes the gradient merge free; the graph is otherwise unchanged.
+
+Only the merged unshard nodes are erased. No dead-code elimination runs here: the Dynamo
+graph is not functionalized, and FX counts an in-place call whose result is unused
+(``h.mul_(2)``, ``buf.add_(1)``, ``out[:, i].copy_(x)``) as dead, so it would delete
+what the program computes. Inputs of an erased unshard that become unused stay; the
+functional graphs AOTAutograd builds from this one drop them.
 """
 
 from __future__ import annotations
@@ -29,4 +35,3 @@ def dedupe_unshard(gm: fx.GraphModule, ctx: PassContext) -> None:
             gm.graph.erase_node(node)
         else:
             first[key] = node
-    gm.graph.eliminate_dead_code()

@@ -1,0 +1,141 @@
+"""Uncompiled parameter gathering whose collectives do not depend on the data.
+
+A sharded module runs uncompiled when it is not compiled at all and wherever a graph
+break sends part of it back to Python. There every read of ``module.<name>`` is a real
+all-gather, and what gets read may depend on the data: transformers' loop over the experts
+a batch routed to reads the 3-D expert weights once per expert hit, a different number
+of times on each rank. Two rules keep every rank issuing the same collectives in the
+same order whatever the data decide:
+
+- **One gather per parameter per module call.** The first read inside a call gathers;
+  later reads in that call return the same tensor (:func:`install_call_scope`). The
+  gathered tensors are dropped when the call returns, as FSDP2 reshards after a
+  module's forward.
+- **Gradients reduced after backward, in forward order.** The order in which autograd
+  finishes the gradients of gathered parameters follows the shape of the autograd graph,
+  which the routing changes. So an uncompiled gather's gradient is not reduced when
+  autograd produces it: it is kept (full size) until the backward ends, then every kept
+  gradient is reduce-scattered in the order the gathers ran (:class:`EagerReductions`).
+  The price is memory and overlap: full gradients of the uncompiled parameters are held
+  until the end of backward, and their reductions do not overlap it. Compiled graphs
+  reduce inside their backward, as scheduled.
+
+A parameter gathered on every rank must receive a gradient on every rank or on none
+(as with DDP's default); one that only some ranks use in the loss makes the ranks'
+reductions differ.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+__all__ = ["EagerReductions", "gather", "install_call_scope"]
+
+
+@dataclass
+class _Pending:
+    """One uncompiled gather whose gradient is reduced at the end of backward."""
+
+    param: nn.Parameter
+    reduce_args: tuple  # compshard::reduce_grad's arguments after the gradient
+    grad: torch.Tensor | None = None
+
+
+@dataclass
+class EagerReductions:
+    """The uncompiled gathers of one sharded model awaiting their gradients, in forward order."""
+
+    pending: list[_Pending] = field(default_factory=list)
+    flush_queued: bool = False
+
+    def flush(self) -> None:
+        """Reduce every gradient received, in gather order, onto its parameter's ``.grad``."""
+        pending, self.pending, self.flush_queued = self.pending, [], False
+        for item in pending:
+            if item.grad is not None:
+                _accumulate(item.param, torch.ops.compshard.reduce_grad(item.grad, *item.reduce_args))
+
+
+def _accumulate(param: nn.Parameter, local_grad: torch.Tensor) -> None:
+    local_grad = local_grad.to(param.device)
+    if isinstance(param, DTensor):
+        local_grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,
+                                        shape=param.shape, stride=param.stride())
+    if param.grad is None:
+        param.grad = local_grad
+    else:
+        param.grad += local_grad
+
+
+class _DeferredGather(torch.autograd.Function):
+    """``unshard`` whose backward hands the full gradient to :class:`EagerReductions`."""
+
+    @staticmethod
+    def forward(ctx: Any, shard: torch.Tensor, reductions: EagerReductions, item: _Pending,
+                unshard_args: tuple) -> torch.Tensor:
+        ctx.reductions, ctx.item = reductions, item
+        return torch.ops.compshard.unshard(shard, *unshard_args)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+        item, reductions = ctx.item, ctx.reductions
+        item.grad = grad if item.grad is None else item.grad + grad
+        if not reductions.flush_queued:
+            reductions.flush_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(reductions.flush)
+        return None, None, None, None
+
+
+def gather(param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reductions: EagerReductions,
+           communicates: bool) -> torch.Tensor:
+    """Uncompiled ``compshard::unshard`` of ``shard`` (``param``'s local rows).
+
+    ``unshard_args``: the op's arguments after the shard. When the gradient is reduced
+    by a collective (``communicates`` and sync mode ``reduce`` or ``fold``) and autograd
+    records, the reduction is deferred to the end of backward; otherwise the op runs as is.
+    """
+    from compshard.ops import UnshardArgs
+
+    args = UnshardArgs(shard, *unshard_args)
+    if not (communicates and args.grad_sync != "accumulate" and torch.is_grad_enabled() and param.requires_grad):
+        return torch.ops.compshard.unshard(shard, *unshard_args)
+    item = _Pending(param, (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
+                            shard.dtype, args.replicate_group))
+    if args.grad_sync == "fold":  # the gradient accumulated under no_sync joins this one's reduction
+        item.grad = args.grad_sink
+        unshard_args = (*unshard_args[:-2], "reduce", None)
+    reductions.pending.append(item)
+    return _DeferredGather.apply(shard, reductions, item, unshard_args)
+
+
+def _enter_call(unshard: Callable[[nn.Module, str], torch.Tensor], module: nn.Module, args: Any) -> None:
+    module._compshard_calls.append({name: unshard(module, name) for name in module._compshard_specs})
+
+
+def _exit_call(module: nn.Module, args: Any, output: Any) -> None:
+    if module._compshard_calls:
+        module._compshard_calls.pop()
+
+
+def install_call_scope(module: nn.Module, unshard: Callable[[nn.Module, str], torch.Tensor]) -> None:
+    """``module`` gathers all its parameters on entry to each call, with ``unshard(module,
+    name)``; reads inside the call (:func:`read`) return those tensors, whatever the data
+    decide to read. Compiled, the gathers are traced at the call's entry in whichever graph
+    holds the call, so a graph break inside the module's code leaves them where they are."""
+    module._compshard_calls = []
+    module.register_forward_pre_hook(functools.partial(_enter_call, unshard))
+    module.register_forward_hook(_exit_call, always_call=True)
+
+
+def read(module: nn.Module, name: str, unshard: Callable[[nn.Module, str], torch.Tensor]) -> torch.Tensor:
+    """``module.<name>``: the tensor gathered on entry to the current call, or gathered now
+    (a read outside a call of ``module``, e.g. by another module)."""
+    if module._compshard_calls:
+        return module._compshard_calls[-1][name]
+    return unshard(module, name)

@@ -1,0 +1,113 @@
+"""What ``shard`` and the backend must not assume: identical ranks, a fresh optimizer,
+graphs free of in-place statements, the same reads on every rank."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import compshard
+from tests.distributed import run_distributed
+from tests.training import relative_error
+
+
+class InPlaceHead(nn.Module):
+    """In-place statements whose results are unused: FX counts them as dead code."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls.add_(1)
+        h = self.lin(x)
+        h.mul_(2)
+        h.clamp_(min=-0.5)
+        return h.sum()
+
+
+def test_in_place_statements_survive_compilation():
+    torch.manual_seed(0)
+    model, x = InPlaceHead(), torch.randn(4, 8)
+    reference = copy.deepcopy(model)
+    expected = reference(x)
+    expected.backward()
+    compiled = torch.compile(compshard.shard(model), backend="compshard")
+    loss = compiled(x)
+    loss.backward()
+    assert torch.equal(loss, expected)
+    assert torch.equal(model.lin.weight.grad, reference.lin.weight.grad)
+    assert model.calls.item() == reference.calls.item() == 1
+
+
+def test_optimizer_built_before_shard_raises_at_step():
+    model = nn.Linear(4, 4)
+    stale = torch.optim.AdamW(model.parameters())
+    compshard.shard(model)
+    model(torch.randn(2, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match="Build the optimizer after compshard.shard"):
+        stale.step()
+    fresh = torch.optim.AdamW(model.parameters())
+    fresh.step()
+
+
+class Experts(nn.Module):
+    """A 3-D expert weight read once per expert the data routes to (as transformers'
+    eager experts loop does): ranks read it a different number of times."""
+
+    def __init__(self, experts: int = 4, width: int = 8) -> None:
+        super().__init__()
+        self.router = nn.Linear(width, experts)
+        self.weight = nn.Parameter(torch.randn(experts, width, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        choice = self.router(x).argmax(-1)
+        out = torch.zeros_like(x)
+        for expert in choice.unique().tolist():  # data-dependent: a graph break, then a Python loop
+            rows = choice == expert
+            out[rows] = x[rows] @ self.weight[expert]
+        return (out + self.router(x).softmax(-1).sum(-1, keepdim=True)).pow(2).mean()
+
+
+def _routing_worker(rank: int, world_size: int) -> dict:
+    torch.manual_seed(rank)  # different parameters per rank: shard broadcasts rank 0's
+    model = Experts()
+    torch.manual_seed(0)
+    rank0_init = copy.deepcopy(Experts().state_dict())
+    torch.manual_seed(1)
+    data = torch.randn(world_size, 6, 8) * 3
+    results = {}
+    for compiled in (False, True):
+        torch.manual_seed(rank)
+        sharded = compshard.shard(Experts())
+        step = torch.compile(sharded, backend="compshard") if compiled else sharded
+        opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+        for _ in range(3):
+            step(data[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        results[compiled] = compshard.full_state_dict(sharded)
+    reference = Experts()
+    reference.load_state_dict(rank0_init)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):  # the mean over ranks of per-rank means: each rank's loss weighs the same
+        (sum(reference(d) for d in data) / world_size).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    experts_hit = len(reference.router(data[rank]).argmax(-1).unique())
+    return {"experts_hit": experts_hit, "initial_from_rank0": torch.equal(model.weight, rank0_init["weight"]),
+            **{f"{'compiled' if c else 'eager'}_{key}": relative_error(value, reference.state_dict()[key])
+               for c, state in results.items() for key, value in state.items()}}
+
+
+def test_data_dependent_reads_and_different_initializations_train_as_eager():
+    results = run_distributed(_routing_worker, 2, timeout=240)
+    assert results[0]["initial_from_rank0"] and not results[1]["initial_from_rank0"]
+    assert results[0]["experts_hit"] != results[1]["experts_hit"]  # the ranks read the weight unequally often
+    for result in results:
+        errors = {key: value for key, value in result.items() if key.endswith(("weight", "bias"))}
+        assert max(errors.values()) < 1e-5, errors
