@@ -11,14 +11,14 @@ same order whatever the data decide:
   later reads in that call return the same tensor (:func:`install_call_scope`). The
   gathered tensors are dropped when the call returns, as FSDP2 reshards after a
   module's forward.
-- **Gradients reduced after backward, in forward order.** The order in which autograd
-  finishes the gradients of gathered parameters follows the shape of the autograd graph,
-  which the routing changes. So an uncompiled gather's gradient is not reduced when
-  autograd produces it: it is kept (full size) until the backward ends, then every kept
-  gradient is reduce-scattered in the order the gathers ran (:class:`EagerReductions`).
-  The price is memory and overlap: full gradients of the uncompiled parameters are held
-  until the end of backward, and their reductions do not overlap it. Compiled graphs
-  reduce inside their backward, as scheduled.
+- **Gradients reduced in reverse gather order.** The order in which autograd finishes
+  the gradients of gathered parameters follows the shape of the autograd graph, which
+  the routing changes. So an uncompiled gather's gradient is reduce-scattered only when
+  every gather after it has had its gradient reduced; what is still waiting when the
+  backward ends is reduced then, in the same order (:class:`EagerReductions`). When
+  autograd finishes gradients in reverse forward order (the usual case) each is reduced
+  at once; otherwise the price is memory: a full gradient waits for those ahead of it.
+  Compiled graphs reduce inside their backward, as scheduled.
 
 A parameter gathered on every rank must receive a gradient on every rank or on none
 (as with DDP's default); one that only some ranks use in the loss makes the ranks'
@@ -40,26 +40,44 @@ __all__ = ["EagerReductions", "gather", "install_call_scope"]
 
 @dataclass
 class _Pending:
-    """One uncompiled gather whose gradient is reduced at the end of backward."""
+    """One uncompiled gather whose gradient is reduced in reverse gather order."""
 
     param: nn.Parameter
     reduce_args: tuple  # compshard::reduce_grad's arguments after the gradient
     grad: torch.Tensor | None = None
+    ready: bool = False  # autograd has produced its whole gradient
 
 
 @dataclass
 class EagerReductions:
-    """The uncompiled gathers of one sharded model awaiting their gradients, in forward order."""
+    """The uncompiled gathers of one sharded model awaiting their gradients, in gather
+    order; ``next`` is the index of the one to reduce next (set when a backward starts)."""
 
     pending: list[_Pending] = field(default_factory=list)
-    flush_queued: bool = False
+    next: int | None = None
 
-    def flush(self) -> None:
-        """Reduce every gradient received, in gather order, onto its parameter's ``.grad``."""
-        pending, self.pending, self.flush_queued = self.pending, [], False
-        for item in pending:
-            if item.grad is not None:
-                _accumulate(item.param, torch.ops.compshard.reduce_grad(item.grad, *item.reduce_args))
+    def received(self, item: _Pending, grad: torch.Tensor) -> None:
+        item.grad = grad if item.grad is None else item.grad + grad
+        item.ready = True
+        if self.next is None:  # the first gradient of this backward: reduce the rest at its end
+            self.next = len(self.pending) - 1
+            torch.autograd.Variable._execution_engine.queue_callback(self.finish)
+        while self.next >= 0 and self.pending[self.next].ready:
+            self._reduce(self.pending[self.next])
+            self.next -= 1
+
+    def finish(self) -> None:
+        """End of backward: reduce the gradients still waiting, in the same order; drop the rest."""
+        for index in range(self.next, -1, -1):
+            if self.pending[index].ready:
+                self._reduce(self.pending[index])
+        self.pending, self.next = [], None
+
+    @staticmethod
+    def _reduce(item: _Pending) -> None:
+        local_grad = torch.ops.compshard.reduce_grad(item.grad, *item.reduce_args)
+        item.grad = None
+        _accumulate(item.param, local_grad)
 
 
 def _accumulate(param: nn.Parameter, local_grad: torch.Tensor) -> None:
@@ -84,11 +102,7 @@ class _DeferredGather(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
-        item, reductions = ctx.item, ctx.reductions
-        item.grad = grad if item.grad is None else item.grad + grad
-        if not reductions.flush_queued:
-            reductions.flush_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(reductions.flush)
+        ctx.reductions.received(ctx.item, grad)
         return None, None, None, None
 
 

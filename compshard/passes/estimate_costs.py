@@ -11,6 +11,7 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.cost_model import Costs, collective_seconds, costs_for, node_seconds
+from compshard.passes.agree_shapes import AGREED_SECONDS
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY, collective_group
 
@@ -27,5 +28,7 @@ def estimate_costs(gm: fx.GraphModule, ctx: PassContext) -> None:
             node.meta[SECONDS] = collective_seconds(meta["bytes"], costs)
         elif meta and meta["kind"] == "wait":
             node.meta[SECONDS] = 0.0
+        elif AGREED_SECONDS in node.meta:  # the ranks' largest estimate (see agree_shapes)
+            node.meta[SECONDS] = node.meta[AGREED_SECONDS]
         else:
             node.meta[SECONDS] = node_seconds(node, costs)

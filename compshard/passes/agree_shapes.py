@@ -1,0 +1,138 @@
+"""First and last pass of the forward/backward/inference pipelines: plan on shapes every rank shares.
+
+Ranks may hold local batches of different sizes (the last batch of an epoch, a sampler
+that does not pad). Their graphs are then the same ops on different activation shapes,
+and the estimates that coalescing and prefetch decide from (FLOPs, bytes live) would
+differ, and with them the schedules: one rank would wait for a collective that another
+issues elsewhere.
+
+Before (``agree_shapes``): each node's ``meta["val"]`` holds this rank's fake tensors.
+The ranks exchange the shapes of every node's tensors (size hints, so no guard is
+installed) and its estimated seconds through the process group's c10d store, as the
+schedule check does. When the graphs have the same nodes with tensors of the same ranks,
+every tensor whose shape is not the elementwise maximum over ranks gets a stand-in fake
+tensor of that shape for the memory estimates, and every node gets the largest of the
+ranks' seconds (``meta["compshard_agreed_seconds"]``, which ``estimate_costs`` takes), so
+every rank estimates, and so decides, alike. Otherwise nothing changes (the schedule
+check then reports any difference).
+After (``restore_shapes``, the last pass): the original fake tensors are back, so the
+executor and Inductor see this rank's shapes.
+"""
+
+from __future__ import annotations
+
+import pickle
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import fx
+
+from compshard.cost_model import costs_for, node_seconds
+from compshard.ops import ReduceGradArgs, UnshardArgs, resolve_group
+from compshard.passes.check_schedule import STORE_TIMEOUT, ScheduleError
+from compshard.passes.context import PassContext
+from compshard.passes.fx_utils import compshard_ops, is_op
+
+_ORIGINAL_VAL = "compshard_original_val"
+AGREED_SECONDS = "compshard_agreed_seconds"
+_exchanges: dict[str, int] = {}  # per process group: shape exchanges so far (the same on every rank)
+
+
+def _hint(size: Any) -> int:
+    if isinstance(size, torch.SymInt):
+        hint = size.node.hint
+        return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
+    return int(size)
+
+
+def _shapes(val: Any) -> list[tuple[int, ...]] | None:
+    """Shapes (size hints) of the tensors in ``val``, flattened; None if it holds none."""
+    tensors = [t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
+    return [tuple(_hint(s) for s in t.shape) for t in tensors] if tensors else None
+
+
+def _group(graph: fx.Graph) -> str:
+    for node in graph.nodes:
+        if is_op(node, compshard_ops.unshard.default):
+            return UnshardArgs(*node.args).group_name
+        if is_op(node, compshard_ops.reduce_grad.default):
+            return ReduceGradArgs(*node.args).group_name
+    return ""
+
+
+def _exchange(facts: Any, group_name: str) -> list:
+    group = resolve_group(group_name)
+    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
+    sequence = _exchanges[group_name] = _exchanges.get(group_name, 0) + 1
+    store = dist.PrefixStore(f"compshard-shapes/{group_name}/{sequence}/", dist.distributed_c10d._get_default_store())
+    store.set(str(rank), pickle.dumps(facts))
+    keys = [str(r) for r in range(world_size)]
+    try:
+        store.wait(keys, STORE_TIMEOUT)
+    except Exception as error:  # noqa: BLE001 - re-raised with what it means here
+        raise ScheduleError(
+            f"compshard: rank {rank} compiled a graph with collectives (#{sequence} on this process group) that "
+            f"some rank did not compile within {STORE_TIMEOUT}: every rank must compile the same graphs (when "
+            "only some ranks' input shapes change, compile with dynamic=True)") from error
+    return [pickle.loads(store.get(key)) for key in keys]
+
+
+def _agreed(everyone: list[list]) -> list | None:
+    """Per node, the elementwise maximum shapes over ranks; None when the graphs differ."""
+    mine = everyone[0]
+    if any(len(other) != len(mine) for other in everyone):
+        return None
+    agreed = []
+    for per_rank in zip(*everyone):
+        if any(shapes is None for shapes in per_rank):
+            if any(shapes is not None for shapes in per_rank):
+                return None
+            agreed.append(None)
+            continue
+        if len({len(shapes) for shapes in per_rank}) != 1 or len({tuple(map(len, s)) for s in per_rank}) != 1:
+            return None
+        agreed.append([tuple(max(dims) for dims in zip(*tensor_shapes)) for tensor_shapes in zip(*per_rank)])
+    return agreed
+
+
+def _stand_in(val: Any, shapes: list[tuple[int, ...]]) -> Any:
+    """``val`` with each tensor replaced by an empty fake tensor of the agreed shape."""
+    leaves, spec = torch.utils._pytree.tree_flatten(val)
+    remaining = iter(shapes)
+    replaced = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            shape = next(remaining)
+            with leaf.fake_mode:
+                leaf = torch.empty(shape, dtype=leaf.dtype, device=leaf.device)
+        replaced.append(leaf)
+    return torch.utils._pytree.tree_unflatten(replaced, spec)
+
+
+def agree_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
+    group_name = _group(gm.graph)
+    if not (group_name and dist.is_initialized() and dist.get_world_size(resolve_group(group_name)) > 1):
+        return
+    nodes = list(gm.graph.nodes)
+    shapes = [_shapes(node.meta.get("val")) for node in nodes]
+    costs = costs_for(group_name)
+    seconds = [node_seconds(node, costs) for node in nodes]
+    everyone = _exchange((shapes, seconds), group_name)
+    agreed = _agreed([rank_shapes for rank_shapes, _ in everyone])
+    if agreed is None:
+        return
+    for node, *per_rank in zip(nodes, *(rank_seconds for _, rank_seconds in everyone)):
+        node.meta[AGREED_SECONDS] = max(per_rank)
+    for node, own, target in zip(nodes, shapes, agreed):
+        if own is not None and own != target and all(hasattr(t, "fake_mode") for t in
+                                                     torch.utils._pytree.tree_leaves(node.meta["val"])
+                                                     if isinstance(t, torch.Tensor)):
+            node.meta[_ORIGINAL_VAL] = node.meta["val"]
+            node.meta["val"] = _stand_in(node.meta["val"], target)
+
+
+def restore_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
+    for node in gm.graph.nodes:
+        if _ORIGINAL_VAL in node.meta:
+            node.meta["val"] = node.meta.pop(_ORIGINAL_VAL)
