@@ -32,7 +32,7 @@ from compshard.cost_model import costs_for, node_seconds
 from compshard.ops import ReduceGradArgs, UnshardArgs, resolve_group
 from compshard.passes.check_schedule import STORE_TIMEOUT, ScheduleError
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import compshard_ops, is_op
+from compshard.passes.fx_utils import compshard_ops, is_op, is_view
 
 _ORIGINAL_VAL = "compshard_original_val"
 AGREED_SECONDS = "compshard_agreed_seconds"
@@ -110,6 +110,22 @@ def _stand_in(val: Any, shapes: list[tuple[int, ...]]) -> Any:
     return torch.utils._pytree.tree_unflatten(replaced, spec)
 
 
+def _local_shard_nodes(graph: fx.Graph) -> set[fx.Node]:
+    """Nodes holding a rank's own rows (parameter shards on their way into an ``unshard``,
+    local gradients out of a ``reduce_grad``, and their views): their shapes differ
+    between ranks by design and the lowering builds on them, so they keep their values."""
+    local: set[fx.Node] = set()
+    for node in graph.nodes:
+        if is_op(node, compshard_ops.unshard.default):
+            shard = UnshardArgs(*node.args).shard
+            while isinstance(shard, fx.Node) and shard not in local:
+                local.add(shard)
+                shard = shard.args[0] if is_view(shard) and shard.args else None
+        elif is_op(node, compshard_ops.reduce_grad.default) or (is_view(node) and node.args[0] in local):
+            local.add(node)
+    return local
+
+
 def agree_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
     group_name = _group(gm.graph)
     if not (group_name and dist.is_initialized() and dist.get_world_size(resolve_group(group_name)) > 1):
@@ -124,8 +140,9 @@ def agree_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
         return
     for node, *per_rank in zip(nodes, *(rank_seconds for _, rank_seconds in everyone)):
         node.meta[AGREED_SECONDS] = max(per_rank)
+    local = _local_shard_nodes(gm.graph)
     for node, own, target in zip(nodes, shapes, agreed):
-        if own is not None and own != target and all(hasattr(t, "fake_mode") for t in
+        if own is not None and own != target and node not in local and all(hasattr(t, "fake_mode") for t in
                                                      torch.utils._pytree.tree_leaves(node.meta["val"])
                                                      if isinstance(t, torch.Tensor)):
             node.meta[_ORIGINAL_VAL] = node.meta["val"]
