@@ -269,6 +269,7 @@ def group_worker(rank: int, world_size: int, group: str, out_dir: str) -> dict:
         pristine, batch = spec.build()
         rows = _rank_rows(batch[0].size(0), world_size)
         results["premise"][name] = _premise(name, pristine, batch, rows, rank)
+        _save(results, out_dir, rank)  # kept even if a try below hangs or kills the process
         expected_losses, expected_states = train_reference(spec, copy.deepcopy(pristine), batch, rows)
         states = {}
         for mode in modes:
