@@ -6,8 +6,9 @@ the loopback interface.
 
 ``run_distributed(worker, world_size, *args)`` starts ``world_size`` processes, each
 calling ``worker(rank, world_size, *args)`` inside an initialized gloo process group, and
-returns the workers' (picklable) results by rank. Process groups have a timeout; the
-whole run has a deadline after which every process is killed and TimeoutError raised.
+returns the workers' (picklable) results by rank. Process groups have a timeout
+(``pg_timeout`` seconds; ``PROCESS_GROUP_TIMEOUT`` by default); the whole run has a
+deadline (``timeout``) after which every process is killed and TimeoutError raised.
 An exception in any worker is re-raised here with its traceback.
 """
 
@@ -26,11 +27,12 @@ import torch.multiprocessing as mp
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def _entry(rank: int, worker: Callable, world_size: int, out_dir: str, args: tuple) -> None:
+def _entry(rank: int, worker: Callable, world_size: int, out_dir: str, args: tuple,
+           pg_timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = dist.FileStore(os.path.join(out_dir, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=PROCESS_GROUP_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=pg_timeout)
     try:
         result = worker(rank, world_size, *args)
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
@@ -38,10 +40,12 @@ def _entry(rank: int, worker: Callable, world_size: int, out_dir: str, args: tup
         dist.destroy_process_group()
 
 
-def run_distributed(worker: Callable, world_size: int, *args: Any, timeout: float = 300) -> list[Any]:
+def run_distributed(worker: Callable, world_size: int, *args: Any, timeout: float = 300,
+                    pg_timeout: float | None = None) -> list[Any]:
+    group_timeout = PROCESS_GROUP_TIMEOUT if pg_timeout is None else datetime.timedelta(seconds=pg_timeout)
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
-            _entry, args=(worker, world_size, out_dir, args), nprocs=world_size, join=False,
+            _entry, args=(worker, world_size, out_dir, args, group_timeout), nprocs=world_size, join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
