@@ -12,7 +12,7 @@ Kernels (P = --param-dtype, C = --comm-dtype, W = --world-size):
   ag_out  all-gather output (C) -> params (C), out= baseline: torch.split_with_sizes_copy(out=...)
   rs_in   grads (C) -> reduce-scatter input (C) / W baseline: torch.cat(dim=1) + div_
   rs_out  reduce-scatter output (C) -> shards (P)   baseline: torch._foreach_copy_
-"Bucket MB" is the size of the flat collective buffer the kernel writes or
+"Bucket MiB" is the size of the flat collective buffer the kernel writes or
 reads, in C.  Parameter sizes vary (ratio 1:7) and are multiples of W * 8
 elements (16-byte aligned shards) unless --unaligned.
 
@@ -255,14 +255,14 @@ def main(args) -> int:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     log(f"device: {device_name}; kernels run via: {backend}")
 
-    log(f"measuring device-to-device copy bandwidth ({args.d2d_mb:g} MB) ...")
+    log(f"measuring device-to-device copy bandwidth ({args.d2d_mb:g} MiB) ...")
     d2d = d2d_bandwidth(int(args.d2d_mb * MB), timer, device)
     log(f"  D2D copy: {d2d:.1f} GB/s")
 
     configs = [(k, s, n) for k in args.kernels for s in args.sizes_mb for n in args.params]
     rows, failures = [], []
     for index, (kind, size_mb, num_params) in enumerate(configs, 1):
-        log(f"[{index}/{len(configs)}] {kind} {size_mb:g} MB, {num_params} params ...")
+        log(f"[{index}/{len(configs)}] {kind} {size_mb:g} MiB, {num_params} params ...")
         ours, baseline, check, moved, S = make_case(kind, int(size_mb * MB), num_params, args, device)
         ok = None
         if not args.no_check:
@@ -293,7 +293,7 @@ def main(args) -> int:
               f"{r['speedup']:.2f}", f"{r['pct_of_d2d']:.0f}", f"{r['ours_us']:.1f}", f"{r['torch_us']:.1f}",
               f"{r['ours_host_us']:.1f}", {True: "ok", False: "MISMATCH", None: "-"}[r["matches_baseline"]]]
              for r in rows]
-    headers = ["kernel", "bucket MB", "params", "ours GB/s", "torch GB/s", "speedup", "% D2D", "ours us", "torch us",
+    headers = ["kernel", "bucket MiB", "params", "ours GB/s", "torch GB/s", "speedup", "% D2D", "ours us", "torch us",
                "host us", "check"]
     print(f"device: {device_name} | backend: {backend} | D2D copy: {d2d:.1f} GB/s | world size {args.world_size} | "
           f"param {args.param_dtype}, comm {args.comm_dtype}{' | unaligned' if args.unaligned else ''}")

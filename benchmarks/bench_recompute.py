@@ -128,7 +128,7 @@ def main(args: argparse.Namespace) -> None:
         dist.all_gather_object(per_rank, [notes[p]["saved"]["activations"] for p in ("full", "none")])
         full, none = (max(saved[i] for saved in per_rank) for i in range(2))
         budget_mb = round((full + none) / 2 / 2**20, 3)
-    name = f"budget {budget_mb} MB"
+    name = f"budget {budget_mb} MiB"
     policies[name] = {"budget_mb": budget_mb}
     notes[name] = saved_for_backward(reference, batch, policies[name])
     results = train({name: functools.partial(wrap_compshard, recompute=policy) for name, policy in policies.items()},

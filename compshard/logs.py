@@ -19,12 +19,15 @@ scheduled graph is one structured artifact (``torch._logging.trace_structured``)
 from __future__ import annotations
 
 import logging
+import os
+import sys
+import warnings
 from typing import Any, Callable
 
 import torch._logging
 from torch import fx
 
-__all__ = ["log", "log_joint", "log_schedule"]
+__all__ = ["log", "log_joint", "log_schedule", "warn"]
 
 log = logging.getLogger("compshard")
 
@@ -33,6 +36,21 @@ log = logging.getLogger("compshard")
 torch._logging._internal.register_log("compshard", "compshard")
 
 MiB = 2**20
+
+# Frames inside these folders are not the user's: a warning names the first frame outside.
+_LIBRARY_FOLDERS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__))
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the user's line: the first caller outside compshard
+    and torch (a warning raised while compiling would otherwise point into the backend)."""
+    if sys.version_info >= (3, 12):
+        warnings.warn(message, category, skip_file_prefixes=_LIBRARY_FOLDERS)
+        return
+    frame, level = sys._getframe(1), 2  # stacklevel 2: the frame of sys._getframe(1)
+    while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_FOLDERS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 def _mib(nbytes: float) -> str:

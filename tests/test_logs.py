@@ -45,3 +45,24 @@ def test_torch_logs_and_trace(tmp_path):
     assert {"compshard_plan", "compshard_forward_schedule", "compshard_forward_decisions",
             "compshard_backward_schedule", "compshard_backward_decisions"} <= set(artifacts)
     assert all("frame_id" in artifacts[name] for name in artifacts if name.startswith("compshard"))  # tied to the compile
+
+
+def test_a_compile_warning_points_at_the_users_line():
+    import warnings
+
+    import torch
+
+    import compshard
+    from tests.models import make_model
+
+    torch._dynamo.reset()
+    model, batch = make_model("gpt")
+    compshard.shard(model)
+    step_model = torch.compile(model, backend="compshard", options={"recompute": {"budget_mb": 0}})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        step_model(*batch)  # compiles here: the budget cannot be met
+    ours = [w for w in caught if "recompute budget_mb" in str(w.message)]
+    assert ours, [str(w.message) for w in caught]
+    assert all(w.filename == __file__ for w in ours), [(w.filename, w.lineno) for w in ours]
+    assert "MiB" in str(ours[0].message) and " MB " not in str(ours[0].message)
