@@ -57,6 +57,8 @@ def _graph_compiler(kind: str, options: CompileOptions, shared: dict) -> Callabl
     def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         ctx = PassContext(options, kind, shared=shared)
         run_passes(gm, ctx)
+        if kind == "inference":  # no joint graph: its passes made the bucket plan
+            logs.log_joint(shared)
         logs.log_schedule(kind, gm, ctx.notes)
         if _capture is not None:
             _capture.append(CompiledGraph(kind, gm, ctx))
