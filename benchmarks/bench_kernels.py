@@ -12,7 +12,7 @@ Kernels (P = --param-dtype, C = --comm-dtype, W = --world-size):
   ag_out  all-gather output (C) -> params (C), out= baseline: torch.split_with_sizes_copy(out=...)
   rs_in   grads (C) -> reduce-scatter input (C) / W baseline: torch.cat(dim=1) + div_
   rs_out  reduce-scatter output (C) -> shards (P)   baseline: torch._foreach_copy_
-"Bucket MB" is the size of the flat collective buffer the kernel writes or
+"Bucket MiB" is the size of the flat collective buffer the kernel writes or
 reads, in C.  Parameter sizes vary (ratio 1:7) and are multiples of W * 8
 elements (16-byte aligned shards) unless --unaligned.
 
@@ -28,7 +28,6 @@ call is reported separately ("host us").
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import statistics
@@ -37,9 +36,44 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
+from cli import make_parser
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
+DTYPE_NAMES = ("fp32", "bf16", "fp16")
+KERNELS = ("ag_in", "ag_out", "rs_in", "rs_out")
+
+
+def parse_args(argv=None):
+    p = make_parser(__doc__)
+    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "kernels.json"),
+                   help="JSON results path")
+    p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="bucket sizes in MiB")
+    p.add_argument("--params", type=int, nargs="+", default=[1, 10, 100, 1000], help="parameters per bucket")
+    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
+    p.add_argument("--world-size", type=int, default=8, help="simulated world size (power of two)")
+    p.add_argument("--param-dtype", choices=DTYPE_NAMES, default="fp32")
+    p.add_argument("--comm-dtype", choices=DTYPE_NAMES, default="bf16")
+    p.add_argument("--unaligned", action="store_true", help="odd shard lengths (no 16-byte vector accesses)")
+    p.add_argument("--repeats", type=int, default=7, help="timed repeats; the median is reported")
+    p.add_argument("--target-ms", type=float, default=20.0, help="approximate length of one timed loop")
+    p.add_argument("--d2d-mb", type=float, default=1024, help="size (MiB) of the reference device-to-device copy")
+    p.add_argument("--block-bytes", type=int, default=None, help="override the kernel block size (tuning)")
+    p.add_argument("--num-warps", type=int, default=None, help="override the kernel's num_warps (tuning)")
+    p.add_argument("--no-check", action="store_true", help="skip the bitwise check against the baseline")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="tiny sizes on CPU (reference path, or the Triton interpreter if TRITON_INTERPRET=1): "
+                        "checks that the script runs, numbers are meaningless")
+    args = p.parse_args(argv)
+    if args.world_size < 1 or args.world_size & (args.world_size - 1):
+        p.error("--world-size must be a power of two (so that the baselines' division is exact)")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help and a bad option answer at once
+
+import torch  # noqa: E402
+
 if str(REPO_ROOT) not in sys.path:
     sys.path.insert(0, str(REPO_ROOT))
 
@@ -47,7 +81,7 @@ import compshard.kernels as K  # noqa: E402
 from compshard.kernels import _triton_launch  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-KERNELS = ("ag_in", "ag_out", "rs_in", "rs_out")
+assert tuple(DTYPES) == DTYPE_NAMES
 MB = 1 << 20
 
 
@@ -195,34 +229,7 @@ def d2d_bandwidth(nbytes: int, timer, device: torch.device) -> float:
 # --------------------------------------------------------------------------- main
 
 
-def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "kernels.json"),
-                   help="JSON results path (default: benchmarks/results/kernels.json)")
-    p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="bucket sizes in MB")
-    p.add_argument("--params", type=int, nargs="+", default=[1, 10, 100, 1000], help="parameters per bucket")
-    p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
-    p.add_argument("--world-size", type=int, default=8, help="simulated world size (power of two)")
-    p.add_argument("--param-dtype", choices=DTYPES, default="fp32")
-    p.add_argument("--comm-dtype", choices=DTYPES, default="bf16")
-    p.add_argument("--unaligned", action="store_true", help="odd shard lengths (no 16-byte vector accesses)")
-    p.add_argument("--repeats", type=int, default=7, help="timed repeats; the median is reported")
-    p.add_argument("--target-ms", type=float, default=20.0, help="approximate length of one timed loop")
-    p.add_argument("--d2d-mb", type=float, default=1024, help="size of the reference device-to-device copy")
-    p.add_argument("--block-bytes", type=int, default=None, help="override the kernel block size (tuning)")
-    p.add_argument("--num-warps", type=int, default=None, help="override the kernel's num_warps (tuning)")
-    p.add_argument("--no-check", action="store_true", help="skip the bitwise check against the baseline")
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny sizes on CPU (reference path, or the Triton interpreter if TRITON_INTERPRET=1): "
-                        "checks that the script runs, numbers are meaningless")
-    args = p.parse_args(argv)
-    if args.world_size < 1 or args.world_size & (args.world_size - 1):
-        p.error("--world-size must be a power of two (so that the baselines' division is exact)")
-    return args
-
-
-def main(argv=None) -> int:
-    args = parse_args(argv)
+def main(args) -> int:
     if args.cpu_smoke:
         device = torch.device("cpu")
         small = 0.25
@@ -248,14 +255,14 @@ def main(argv=None) -> int:
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
     log(f"device: {device_name}; kernels run via: {backend}")
 
-    log(f"measuring device-to-device copy bandwidth ({args.d2d_mb:g} MB) ...")
+    log(f"measuring device-to-device copy bandwidth ({args.d2d_mb:g} MiB) ...")
     d2d = d2d_bandwidth(int(args.d2d_mb * MB), timer, device)
     log(f"  D2D copy: {d2d:.1f} GB/s")
 
     configs = [(k, s, n) for k in args.kernels for s in args.sizes_mb for n in args.params]
     rows, failures = [], []
     for index, (kind, size_mb, num_params) in enumerate(configs, 1):
-        log(f"[{index}/{len(configs)}] {kind} {size_mb:g} MB, {num_params} params ...")
+        log(f"[{index}/{len(configs)}] {kind} {size_mb:g} MiB, {num_params} params ...")
         ours, baseline, check, moved, S = make_case(kind, int(size_mb * MB), num_params, args, device)
         ok = None
         if not args.no_check:
@@ -286,7 +293,7 @@ def main(argv=None) -> int:
               f"{r['speedup']:.2f}", f"{r['pct_of_d2d']:.0f}", f"{r['ours_us']:.1f}", f"{r['torch_us']:.1f}",
               f"{r['ours_host_us']:.1f}", {True: "ok", False: "MISMATCH", None: "-"}[r["matches_baseline"]]]
              for r in rows]
-    headers = ["kernel", "bucket MB", "params", "ours GB/s", "torch GB/s", "speedup", "% D2D", "ours us", "torch us",
+    headers = ["kernel", "bucket MiB", "params", "ours GB/s", "torch GB/s", "speedup", "% D2D", "ours us", "torch us",
                "host us", "check"]
     print(f"device: {device_name} | backend: {backend} | D2D copy: {d2d:.1f} GB/s | world size {args.world_size} | "
           f"param {args.param_dtype}, comm {args.comm_dtype}{' | unaligned' if args.unaligned else ''}")
@@ -319,4 +326,4 @@ def _triton_version() -> str | None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(ARGS))

@@ -34,13 +34,33 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from tabulate import tabulate
+from cli import add_workload_arguments, make_parser
 
-import compshard
-from harness import (
-    add_workload_arguments, mib, train, start_workload, wrap_compshard,
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = make_parser(__doc__)
+    add_workload_arguments(parser, per="policy")
+    parser.add_argument("--budget-mb", type=float, default=None,
+                        help="budget (MiB) of the budget policy; None: half-way between full and none")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "recompute.json",
+                        help="JSON file to write")
+    args = parser.parse_args(argv)
+    if min(args.steps, args.warmup, args.batch, args.layers) < 1:
+        parser.error("--steps, --warmup, --batch and --layers must be at least 1")
+    if args.budget_mb is not None and args.budget_mb < 0:
+        parser.error("--budget-mb must be a number >= 0")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help and a bad option answer at once
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+import compshard  # noqa: E402
+from harness import (  # noqa: E402
+    mib, train, start_workload, wrap_compshard,
     write_results,
 )
 
@@ -95,23 +115,7 @@ HEADERS = ["policy", "saved activations MiB/rank", "saved gathered params MiB", 
            "peak MiB/rank", "step ms", "step/none", "final loss", "plan (blocks)"]
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_workload_arguments(parser, per="policy")
-    parser.add_argument("--budget-mb", type=float, default=None,
-                        help="budget of the budget policy (default: half-way between full and none)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "recompute.json",
-                        help="JSON file to write")
-    args = parser.parse_args()
-    if min(args.steps, args.warmup, args.batch, args.layers) < 1:
-        parser.error("--steps, --warmup, --batch and --layers must be at least 1")
-    if args.budget_mb is not None and args.budget_mb < 0:
-        parser.error("--budget-mb must be a number >= 0")
-    return args
-
-
-def main() -> None:
-    args = parse_args()
+def main(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
     rank, world_size, device, cfg, reference, batch = start_workload(args)
     started = time.perf_counter()
@@ -124,7 +128,7 @@ def main() -> None:
         dist.all_gather_object(per_rank, [notes[p]["saved"]["activations"] for p in ("full", "none")])
         full, none = (max(saved[i] for saved in per_rank) for i in range(2))
         budget_mb = round((full + none) / 2 / 2**20, 3)
-    name = f"budget {budget_mb} MB"
+    name = f"budget {budget_mb} MiB"
     policies[name] = {"budget_mb": budget_mb}
     notes[name] = saved_for_backward(reference, batch, policies[name])
     results = train({name: functools.partial(wrap_compshard, recompute=policy) for name, policy in policies.items()},
@@ -141,4 +145,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -58,15 +58,44 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-import torch
-import torch.distributed as dist
-from tabulate import tabulate
-from torch import nn
-from torch.distributed.fsdp import FSDPModule
+from cli import SYSTEM_NAMES, add_workload_arguments, make_parser
 
-import compshard
-from harness import (
-    SYSTEMS, Result, add_workload_arguments, mib, progress, train, start_workload,
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = make_parser(__doc__)
+    add_workload_arguments(parser, per="system")
+    parser.add_argument("--comm-repeats", type=int, default=10, help="timed replays of each system's collectives")
+    parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma-separated, of {list(SYSTEM_NAMES)}")
+    parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
+    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "step.json",
+                        help="JSON file to write")
+    args = parser.parse_args(argv)
+    if min(args.steps, args.warmup, args.batch, args.layers, args.comm_repeats) < 1:
+        parser.error("--steps, --warmup, --batch, --layers and --comm-repeats must be at least 1")
+    args.systems = [s for s in args.systems.split(",") if s]
+    unknown = [s for s in args.systems if s not in SYSTEM_NAMES]
+    if unknown or not args.systems:
+        parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEM_NAMES)}")
+    try:
+        args.options = json.loads(args.options)
+        if not isinstance(args.options, dict):
+            raise ValueError(f"expected a JSON object, got {args.options!r}")
+    except ValueError as error:  # a JSONDecodeError is a ValueError
+        parser.error(f"--options: {error}")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help and a bad option answer at once
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.fsdp import FSDPModule  # noqa: E402
+
+import compshard  # noqa: E402
+from harness import (  # noqa: E402
+    SYSTEMS, Result, mib, progress, train, start_workload,
     wrap_fsdp2, write_results,
 )
 
@@ -235,33 +264,11 @@ def gather_row(result: Result, collectives: list[Collective], comm_times: list[f
 # ------------------------------------------------------------------------------ main
 
 
-def parse_args() -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_workload_arguments(parser, per="system")
-    parser.add_argument("--comm-repeats", type=int, default=10, help="timed replays of each system's collectives")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {list(SYSTEMS)}")
-    parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "step.json",
-                        help="JSON file to write")
-    args = parser.parse_args()
-    if min(args.steps, args.warmup, args.batch, args.layers, args.comm_repeats) < 1:
-        parser.error("--steps, --warmup, --batch, --layers and --comm-repeats must be at least 1")
-    args.systems = [s for s in args.systems.split(",") if s]
-    unknown = [s for s in args.systems if s not in SYSTEMS]
-    if unknown or not args.systems:
-        parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEMS)}")
+def main(args: argparse.Namespace) -> None:
     try:
-        args.options = json.loads(args.options)
-        if not isinstance(args.options, dict):
-            raise ValueError(f"expected a JSON object, got {args.options!r}")
         compshard.CompileOptions.from_dict(args.options)
-    except ValueError as error:  # a JSONDecodeError is a ValueError
-        parser.error(f"--options: {error}")
-    return args
-
-
-def main() -> None:
-    args = parse_args()
+    except ValueError as error:
+        raise SystemExit(f"--options: {error}") from None
     rank, world_size, device, cfg, reference, batch = start_workload(args)
     started = time.perf_counter()
 
@@ -290,4 +297,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(ARGS)

@@ -4,29 +4,36 @@
 
 Both systems start from the same weights and see the same data; the table shows the loss
 after the last step, the median step time and the per-rank memory (the largest over ranks).
+Progress (compilation included) goes to stderr, the table to stdout.
 """
 
 from __future__ import annotations
 
-import argparse
-
-import torch.distributed as dist
-from tabulate import tabulate
-
-from harness import SYSTEMS, init_distributed, make_workload, mib, progress, train
-from compshard.models import GPTConfig
+from cli import make_parser
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def parse_args(argv: list[str] | None = None):
+    parser = make_parser(__doc__)
     parser.add_argument("--steps", type=int, default=20, help="timed steps per system")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 1 or args.batch < 1:
         parser.error("--steps, --warmup and --batch must be at least 1")
+    return args
+
+
+def main(args) -> None:
+    # Imported after the arguments are parsed: torch takes seconds, --help none.
+    import torch.distributed as dist
+    from tabulate import tabulate
+
+    from compshard.models import GPTConfig
+    from harness import SYSTEMS, init_distributed, make_workload, mib, progress, train
 
     rank, world_size, device = init_distributed()
+    if args.batch % world_size:
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world_size}")
     cfg = GPTConfig(vocab_size=512, block_size=128, n_layer=4, n_head=4, n_embd=128)
     reference, batch = make_workload(cfg, args.batch, rank, world_size, device)
     progress(f"GPT {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, "
@@ -52,4 +59,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(parse_args())

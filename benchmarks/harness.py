@@ -31,13 +31,19 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-import torch
-import torch.distributed as dist
-from torch import nn
-from torch.distributed.tensor import DTensor
+# Kineto (the profiler that peak_tensor_bytes uses) prints "USDT ... profiler_start/stop"
+# lines on stderr at every profile unless its log level is above them; set before it
+# first runs. A value the user sets wins.
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
-import compshard
-from compshard.models import GPT, GPTConfig
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
+
+import compshard  # noqa: E402
+from cli import SYSTEM_NAMES  # noqa: E402
+from compshard.models import GPT, GPTConfig  # noqa: E402
 
 Wrap = Callable[[nn.Module], Callable]
 
@@ -96,6 +102,7 @@ SYSTEMS: dict[str, Wrap] = {
     "fsdp2+compile": lambda model: wrap_fsdp2(model, compiled=True),
     "ddp": wrap_ddp,
 }
+assert tuple(SYSTEMS) == SYSTEM_NAMES, "cli.SYSTEM_NAMES lists the systems for --help"
 
 
 # ------------------------------------------------------------------------- measurement
@@ -222,7 +229,7 @@ def _train_together(
             return loss
 
         runs[name] = _Run(model, opt, step_model, step)
-        progress(f"{name}:")
+        progress(f"{name}: warm-up step 1/{warmup} (a compiled system compiles here) ...")
         for index in range(warmup):
             timed(name, f"warm-up step {index + 1}/{warmup}")
     for index in range(steps):
@@ -275,18 +282,6 @@ def write_results(path: Path, device: torch.device, config: dict, started: float
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(record, indent=2) + "\n")
     progress(f"wrote {path}")
-
-
-def add_workload_arguments(parser, per: str) -> None:
-    """The options every benchmark shares: timed and warm-up steps, batch and GPT shape."""
-    parser.add_argument("--steps", type=int, default=20, help=f"timed steps per {per}")
-    parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--layers", type=int, default=4, help="transformer blocks")
-    parser.add_argument("--width", type=int, default=128, help="embedding width (n_embd)")
-    parser.add_argument("--heads", type=int, default=4, help="attention heads")
-    parser.add_argument("--seq", type=int, default=128, help="sequence length (block_size)")
-    parser.add_argument("--vocab", type=int, default=512, help="vocabulary size")
 
 
 def start_workload(args) -> tuple[int, int, torch.device, GPTConfig, nn.Module, tuple[torch.Tensor, torch.Tensor]]:

@@ -6,6 +6,8 @@
 
 from __future__ import annotations
 
+__version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
+
 import torch
 
 from compshard import ops  # noqa: F401  (registers the compshard:: custom ops)
@@ -24,6 +26,6 @@ from compshard.sharding import ShardingConfig, full_state_dict, shard, sharding_
 if "compshard" not in torch._dynamo.list_backends(exclude_tags=()):
     torch._dynamo.register_backend(compshard_backend, name="compshard")
 
-__all__ = ["shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError", "compshard_backend",
-           "pipeline", "Pipeline", "PipelineReport", "checkpoint", "clip_grad_norm_",
+__all__ = ["__version__", "shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError",
+           "compshard_backend", "pipeline", "Pipeline", "PipelineReport", "checkpoint", "clip_grad_norm_",
            "no_sync", "set_requires_gradient_sync", "sharding_config", "ShardingConfig"]

@@ -17,6 +17,7 @@ from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 from torch._functorch.partitioners import min_cut_rematerialization_partition
 
+from compshard import logs
 from compshard.options import CompileOptions
 from compshard.passes import PassContext, run_passes
 from compshard.passes.recompute import record_saved
@@ -56,6 +57,9 @@ def _graph_compiler(kind: str, options: CompileOptions, shared: dict) -> Callabl
     def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
         ctx = PassContext(options, kind, shared=shared)
         run_passes(gm, ctx)
+        if kind == "inference":  # no joint graph: its passes made the bucket plan
+            logs.log_joint(shared)
+        logs.log_schedule(kind, gm, ctx.notes)
         if _capture is not None:
             _capture.append(CompiledGraph(kind, gm, ctx))
         return _executor(gm, example_inputs, options, kind)
@@ -76,6 +80,7 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         shared["saved_count"] = sum(1 for node in backward.graph.find_nodes(op="placeholder")
                                     if not node.name.startswith("tangents"))
         record_saved(forward, backward, shared)
+        logs.log_joint(shared)
         return forward, backward
 
     decompositions = {}

@@ -24,10 +24,10 @@ class CompileOptions:
             ``"auto"``: one bucket per repeated block of the module tree (``layers.3``),
             other parameters pooled into buckets of at most ``bucket_mb``; the bucket used
             last in forward stays gathered into backward. A number: buckets of at
-            most that many MB in order of first use. A list of module-name patterns
+            most that many MiB in order of first use. A list of module-name patterns
             (``fnmatch``, e.g. ``["blocks.*", "embed"]``): one bucket per module matched,
             the rest as for ``"auto"``. ``"none"``: one collective per parameter.
-        bucket_mb: size target (MB of gathered parameters) for the fallback buckets, and
+        bucket_mb: size target (MiB of gathered parameters) for the fallback buckets, and
             the most one coalesced collective may carry.
         coalesce: whether neighbouring buckets share one collective. ``"auto"``: the next
             bucket's all-gather (reduce-scatter) joins the current one while they have
@@ -40,7 +40,7 @@ class CompileOptions:
             most of the gather (cost model), never one that raises the estimated peak.
         max_inflight_mb: bound on the bytes of collectives started and not yet waited
             (per graph; a single collective larger than the bound is still allowed alone).
-        memory_budget_mb: MB of gathered parameters that may stay gathered from forward
+        memory_budget_mb: MiB of gathered parameters that may stay gathered from forward
             to backward (saving their re-gather); ``None``: none beyond what
             ``shard(reshard_after_forward=False)`` asks. Smallest buckets are kept first.
         recompute: which activations the backward recomputes instead of keeping them from
@@ -48,7 +48,7 @@ class CompileOptions:
             choice. ``"full"``: each repeated block (``blocks.3``) keeps only its inputs
             and outputs. ``"selective"``: blocks also keep matmul and attention outputs;
             pointwise and normalization ops are recomputed. ``{"budget_mb": X}``: keep
-            at most X MB of activations per rank, raising blocks to selective or full
+            at most X MiB of activations per rank, raising blocks to selective or full
             at the least estimated recompute time (a warning when it cannot fit).
         check_schedule: compare a fingerprint of every compiled schedule across ranks at
             compile time and raise on a mismatch (exchanged through the c10d store, once
@@ -102,7 +102,7 @@ def _buckets(value: Any) -> str | None:
         return None
     if isinstance(value, (list, tuple)) and value and all(isinstance(p, str) and p for p in value):
         return None
-    return "'auto', 'none', a size in MB > 0, or a non-empty list of module-name patterns"
+    return "'auto', 'none', a size in MiB > 0, or a non-empty list of module-name patterns"
 
 
 def _prefetch(value: Any) -> str | None:
@@ -111,7 +111,7 @@ def _prefetch(value: Any) -> str | None:
 
 
 def _budget(value: Any) -> str | None:
-    return None if value is None or (_is_number(value) and value >= 0) else "None or a number >= 0 (MB)"
+    return None if value is None or (_is_number(value) and value >= 0) else "None or a number >= 0 (MiB)"
 
 
 def _recompute(value: Any) -> str | None:

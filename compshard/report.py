@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import os
 import tempfile
 from typing import Any
@@ -26,7 +27,7 @@ from compshard import backend
 from compshard.options import CompileOptions
 from compshard.passes.estimate_costs import SECONDS
 from compshard.passes.estimate_memory import LIVE_BYTES
-from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY
+from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY, is_view
 from compshard.passes.recompute import RecomputeNote
 from compshard.sharding import ShardingConfig
 from compshard.timeline import Timeline, simulate
@@ -78,29 +79,41 @@ class Report:
              "prefetch": {kind: d[b.name] for kind, d in distances.items() if b.name in d}}
             for b in compiled[0].shared.get("buckets", [])
         ]
+        self._bucket_of = {param: b["name"] for b in self.buckets for param in b["params"]}
         self.collectives = [
             {"graph": kind, "kind": meta["kind"], "unit": meta["unit"], "bytes": meta["bytes"],
-             "params": meta["params"], "node": node.name, "bucket": meta.get("bucket"), "of": meta.get("of")}
+             "params": meta["params"], "node": node.name, "bucket": self._bucket_label(meta), "of": meta.get("of")}
             for kind, gm in self.graphs.items()
             for node in gm.graph.nodes
             if (meta := node.meta.get(META_KEY)) and meta["kind"] in _LISTED_KINDS
         ]
 
-    def rows(self) -> list[dict[str, Any]]:
-        """Table rows: scheduled nodes one each; compute and pack/unpack runs folded."""
+    def _bucket_label(self, meta: dict) -> str:
+        """The bucket(s) a scheduled node works on, joined by ``+``. A free names the
+        buckets of the parameters it frees (the passes record those, not the bucket)."""
+        if meta.get("bucket"):
+            return meta["bucket"]
+        buckets = dict.fromkeys(self._bucket_of[p] for p in meta.get("params", ()) if p in self._bucket_of)
+        return "+".join(buckets) or meta["unit"]
+
+    def rows(self, views: bool = False) -> list[dict[str, Any]]:
+        """Table rows: scheduled nodes one each; runs of compute, and of one bucket's
+        pack or unpack, folded into one row. Nodes that only view a tensor (``view``,
+        ``t``, ``getitem``: no work, no bytes of their own) are left out unless ``views``."""
         rows: list[dict[str, Any]] = []
         for kind, gm in self.graphs.items():
             inflight = self.timelines[kind].inflight_after
             for node in gm.graph.nodes:
-                if node.op != "call_function":
+                if node.op != "call_function" or (not views and _only_views(node)):
                     continue
                 meta = node.meta.get(META_KEY)
                 row_kind = meta["kind"] if meta else "compute"
+                bucket = self._bucket_label(meta) if meta else ""
+                if row_kind == "free":
+                    bucket += f" ({_FREED.get(meta.get('of'), meta.get('of'))})" if meta.get("of") else ""
                 last = rows[-1] if rows else None
                 foldable = row_kind in ("compute", "pack", "unpack")
-                if foldable and last and last["graph"] == kind and last["kind"] == row_kind and (
-                    row_kind == "compute" or last["bucket"] == meta.get("bucket", meta["unit"])
-                ):
+                if foldable and last and last["graph"] == kind and last["kind"] == row_kind and last["bucket"] == bucket:
                     last["ops"] += 1
                     last["bytes"] += meta["bytes"] if meta else 0
                     last["seconds"] += node.meta.get(SECONDS, 0.0)
@@ -111,7 +124,7 @@ class Report:
                     "graph": kind,
                     "node": node.name,
                     "kind": row_kind,
-                    "bucket": (meta.get("bucket", meta["unit"]) if meta else ""),
+                    "bucket": bucket,
                     "ops": 1,
                     "bytes": meta["bytes"] if meta else 0,
                     "seconds": node.meta.get(SECONDS, 0.0),
@@ -120,12 +133,14 @@ class Report:
                 })
         return rows
 
-    def __str__(self) -> str:
+    def table(self, views: bool = False) -> str:
+        """The report as text (``str(report)``); ``views=True`` also lists the nodes that
+        only view a tensor."""
         table = [
             [r["graph"], r["node"] + (f" (+{r['ops'] - 1} ops)" if r["ops"] > 1 else ""), r["kind"], r["bucket"],
              _mib(r["bytes"]) if r["bytes"] else "", f"{r['seconds'] * 1e3:.3f}" if r["seconds"] else "",
              _mib(r["in flight"]) if r["in flight"] else "", _mib(r["live after"])]
-            for r in self.rows()
+            for r in self.rows(views)
         ]
         headers = ["graph", "node", "kind", "bucket / unit", "bytes", "est ms", "in flight", "live after"]
         buckets = [
@@ -152,25 +167,77 @@ class Report:
             *([self.recompute.describe()] if self.recompute else []),
         ])
 
+    def __str__(self) -> str:
+        return self.table()
+
     __repr__ = __str__
 
     def save_trace(self, path: str | os.PathLike) -> None:
-        """Write a Chrome / Perfetto trace: the estimated timeline of each graph (process
-        "estimated", one thread per stream), plus the measured profiler events when the
-        report was made with ``inspect(..., profile=True)``."""
+        """Write a Chrome / Perfetto trace (JSON; open it in ui.perfetto.dev or
+        chrome://tracing).
+
+        Time 0 is the start of the step: the estimated graphs follow one another from
+        there (forward, then backward), each its own process (``estimated forward``, ...)
+        with a compute and a communication thread and two counter tracks, the estimated
+        bytes live and the bytes of collectives in flight. With ``inspect(...,
+        profile=True)`` the measured profiler events of one step follow, shifted so that
+        the first starts at 0 too, their processes named ``measured ...``. Process ids
+        are integers, named by ``process_name`` metadata events.
+        """
         events: list[dict] = []
-        offset = 0.0
+        pids: dict[Any, int] = {}
+
+        def pid(key: Any, name: str) -> int:
+            if key not in pids:
+                pids[key] = len(pids) + 1
+                events.append({"ph": "M", "name": "process_name", "pid": pids[key], "args": {"name": name}})
+                events.append({"ph": "M", "name": "process_sort_index", "pid": pids[key],
+                               "args": {"sort_index": pids[key]}})
+            return pids[key]
+
+        offset = 0.0  # seconds: each graph starts where the previous one ended
         for kind, timeline in self.timelines.items():
+            process = pid(("estimated", kind), f"estimated {kind}")
+            for tid, stream in enumerate(_STREAMS, 1):
+                events.append({"ph": "M", "name": "thread_name", "pid": process, "tid": tid, "args": {"name": stream}})
             for span in timeline.spans:
-                events.append({"name": span.name, "cat": span.kind, "ph": "X", "pid": f"estimated {kind}",
-                               "tid": span.stream, "ts": (offset + span.start) * 1e6,
+                events.append({"name": span.name, "cat": span.kind, "ph": "X", "pid": process,
+                               "tid": _STREAMS.index(span.stream) + 1, "ts": (offset + span.start) * 1e6,
                                "dur": (span.end - span.start) * 1e6})
+            for node, seconds in timeline.time_after.items():
+                ts = (offset + seconds) * 1e6
+                events.append({"name": "estimated live bytes", "ph": "C", "pid": process, "ts": ts,
+                               "args": {"bytes": node.meta.get(LIVE_BYTES, 0)}})
+                events.append({"name": "bytes in flight", "ph": "C", "pid": process, "ts": ts,
+                               "args": {"bytes": timeline.inflight_after.get(node, 0)}})
             offset += timeline.total
-        if self.measured_trace:
-            events.extend(dict(event, pid=f"measured {event.get('pid', '')}")
-                          for event in self.measured_trace.get("traceEvents", []))
+        measured = [e for e in (self.measured_trace or {}).get("traceEvents", []) if isinstance(e, dict)]
+        timed = [float(e["ts"]) for e in measured if e.get("ph") != "M" and "ts" in e]
+        origin = min(timed, default=0.0)
+        names = {e.get("pid"): e.get("args", {}).get("name") for e in measured
+                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        for event in measured:
+            original = event.get("pid")
+            name = " ".join(str(part) for part in ("measured", names.get(original), original) if part not in (None, ""))
+            event = dict(event, pid=pid(("measured", original), name))
+            if event.get("ph") == "M":
+                if event.get("name") in ("process_name", "process_sort_index"):
+                    continue  # named above
+                event.pop("ts", None)
+            elif "ts" in event:
+                event["ts"] = float(event["ts"]) - origin
+            events.append(event)
         with open(path, "w") as file:
             json.dump({"traceEvents": events, "displayTimeUnit": "ms"}, file)
+
+
+_STREAMS = ("compute", "comm")  # the estimated timeline's threads, tids 1 and 2
+_FREED = {"buffer": "gather buffer", "params": "unpacked params"}
+
+
+def _only_views(node: fx.Node) -> bool:
+    """A node that does no work of its own: a view of a tensor or an item of a tuple."""
+    return node.target is operator.getitem or is_view(node)
 
 
 def _backward_target(output: Any) -> torch.Tensor | None:

@@ -33,6 +33,7 @@ class Timeline:
     exposed_comm: float = 0.0
     comm: float = 0.0
     inflight_after: dict[fx.Node, int] = field(default_factory=dict)  # bytes started, not waited
+    time_after: dict[fx.Node, float] = field(default_factory=dict)  # compute stream's time after the node
 
 
 def simulate(graph: fx.Graph) -> Timeline:
@@ -61,5 +62,6 @@ def simulate(graph: fx.Graph) -> Timeline:
             timeline.spans.append(Span(node.name, "compute", now, now + seconds, kind))
             now += seconds
         timeline.inflight_after[node] = sum(inflight.values())
+        timeline.time_after[node] = now
     timeline.total = max(now, comm_free)
     return timeline

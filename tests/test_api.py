@@ -97,7 +97,7 @@ def test_inspect_at_world_size_one_and_leaves_grads_alone():
 @pytest.mark.parametrize(
     "options, message",
     [
-        ({"buckets": 0}, "option 'buckets' must be 'auto', 'none', a size in MB > 0, or a non-empty list"),
+        ({"buckets": 0}, "option 'buckets' must be 'auto', 'none', a size in MiB > 0, or a non-empty list"),
         ({"buckets": []}, "option 'buckets' must be"),
         ({"prefetch": -1}, "option 'prefetch' must be 'auto' or an int >= 0"),
         ({"prefetch": True}, "option 'prefetch' must be 'auto' or an int >= 0"),

@@ -22,6 +22,7 @@ from compshard.passes.fx_utils import aliases
 from compshard.passes.insert_free import gathered_buffers, insert_free
 from tests.distributed import run_distributed
 from tests.models import make_model
+from tests.trace_checks import check_trace
 from tests.training import RTOL, parity
 
 PARITY_MODELS = ("mlp", "gpt", "uneven", "gpt-graph-break")
@@ -214,8 +215,7 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         with open(os.path.join(folder, "trace.json")) as file:
             events = json.load(file)["traceEvents"]
     results["trace"] = {
-        "estimated": sorted({(e["pid"], e["tid"]) for e in events if e["pid"].startswith("estimated")}),
-        "measured": sum(1 for e in events if e["pid"].startswith("measured")),
+        "events": events if rank == 0 else [],
         "buckets": report.buckets,
         "exposed": {kind: t.exposed_comm for kind, t in report.timelines.items()},
     }
@@ -356,6 +356,15 @@ def test_report_table_lists_the_schedule(schedule_results):
         assert column in table
     for kind in ("all_gather", "wait", "free", "reduce_scatter", "pack", "unpack"):
         assert kind in table
+    rows = table.split("\n\n")[1].splitlines()[2:]
+    assert len(set(rows)) == len(rows)
+    frees = [row for row in rows if row.split()[2] == "free"]
+    buckets = {b["name"] for b in schedule_results[0]["trace"]["buckets"]}
+    for row in frees:  # a free names the bucket(s) it frees and what of them
+        label = row.split()[3]
+        assert set(label.split("+")) <= buckets, row
+        assert "(gather buffer)" in row or "(unpacked params)" in row, row
+    assert any("(unpacked params)" in row for row in frees) and any("(gather buffer)" in row for row in frees)
 
 
 def test_report_buckets_and_trace(schedule_results):
@@ -363,8 +372,10 @@ def test_report_buckets_and_trace(schedule_results):
     assert [b["name"] for b in trace["buckets"]] == ["rest.0", "blocks.0", "blocks.1"]
     assert all(set(b["prefetch"]) == {"forward", "backward"} for b in trace["buckets"][1:3])
     assert all(d >= 0 for b in trace["buckets"] for d in b["prefetch"].values())
-    assert ("estimated forward", "comm") in trace["estimated"] and ("estimated backward", "compute") in trace["estimated"]
-    assert trace["measured"] > 0  # profile=True adds the profiler's events
+    pids = check_trace(trace["events"], measured=True)  # profile=True adds the profiler's events
+    in_flight = [e["args"]["bytes"] for e in trace["events"]
+                 if e["pid"] == pids["estimated forward"] and e["name"] == "bytes in flight"]
+    assert max(in_flight) > 0  # two ranks: all-gathers in flight
     assert all(seconds >= 0 for seconds in trace["exposed"].values())
 
 

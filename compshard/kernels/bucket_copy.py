@@ -26,10 +26,11 @@ consistent between CPU and CUDA).
 from __future__ import annotations
 
 import os
-import warnings
 from collections.abc import Sequence
 
 import torch
+
+from compshard.logs import warn
 
 from . import _triton_launch
 from ._checks import (
@@ -73,11 +74,8 @@ def select_backend(device: torch.device, tensors: Sequence[torch.Tensor] = ()) -
             return "triton"
         if not _warned_no_triton:
             _warned_no_triton = True
-            warnings.warn(
-                "compshard.kernels: triton is not installed; bucket copies on CUDA use the slower torch reference",
-                RuntimeWarning,
-                stacklevel=3,
-            )
+            warn("compshard.kernels: triton is not installed; bucket copies on CUDA use the slower torch reference",
+                 RuntimeWarning)
         return "reference"
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_launch.triton_available():
         return "interpreter"

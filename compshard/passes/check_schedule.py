@@ -9,11 +9,11 @@ Invariants (a violation is a compshard bug and raises ``ScheduleError``):
   - at every collective start, the bytes of collectives of its kind started and not yet
     waited (itself included) fit ``max_inflight_mb``, unless it is alone in flight.
 
-Fingerprint: the sequence of scheduled nodes (kind, parameters, bytes, and position
-counted in original non-view compute nodes) with rank-independent facts only: local shard
-shapes differ between ranks (a rank may hold no rows), and with them the views around
-the shards, so views do not count. With
-``check_schedule`` (default) the sequences are all-gathered across the ranks at compile
+Fingerprint: the graph's kind, its number of non-view compute nodes and the sequence of
+scheduled nodes (kind, parameters, bytes, and position counted in original non-view
+compute nodes) with rank-independent facts only: local shard shapes differ between ranks
+(a rank may hold no rows), and with them the views around the shards, so views do not
+count. With ``check_schedule`` (default) the sequences are all-gathered across the ranks at compile
 time (through the c10d store); a difference raises ``ScheduleError`` naming the first
 differing node on every rank, instead of a hang at run time.
 """
@@ -153,7 +153,10 @@ def check_schedule(gm: fx.GraphModule, ctx: PassContext) -> None:
     _check_invariants(gm.graph, ctx)
     _check_inflight(gm.graph, ctx)
     entries = schedule_entries(gm.graph)
-    ctx.notes["fingerprint"] = fingerprint(entries)
+    # The graph's kind and size too: with nothing to gather (one rank) the entries alone
+    # are empty, and a forward and a backward would share one fingerprint.
+    compute_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function" and not is_view(n))
+    ctx.notes["fingerprint"] = fingerprint([ctx.graph, compute_nodes, *entries])
     group_name = collective_group(gm.graph)
     if ctx.options.check_schedule and group_name and dist.is_initialized():
         _compare_across_ranks(entries, group_name, ctx)

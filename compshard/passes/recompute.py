@@ -18,7 +18,7 @@ the blocks ``assign_buckets`` buckets by, found from ``nn_module_stack``):
   Most of ``"full"``'s saving on wide models at a fraction of its recompute FLOPs.
 - ``{"budget_mb": X}``: the whole forward. Every block starts at "save everything the
   backward needs" (no recompute), as does the code outside blocks; while the planned
-  saved activations exceed X MB, one block is raised (to selective or to full): the
+  saved activations exceed X MiB, one block is raised (to selective or to full): the
   raise that makes the plan fit at the least added recompute seconds if there is one,
   else the one freeing the most bytes per second of recompute (``cost_model``, the
   agreed constants). Where even every block at full does not fit, the note says so, a
@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import operator
 import re
-import warnings
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import Callable, Mapping
@@ -54,6 +53,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compshard.cost_model import Costs, costs_for, node_seconds
+from compshard.logs import warn
 from compshard.passes.assign_buckets import repeated_block, repeated_containers
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
@@ -299,10 +299,9 @@ def recompute(gm: fx.GraphModule, ctx: PassContext) -> None:
         levels, plan = _budget_levels(policy, budget_bytes)
         note = RecomputeNote("budget", budget_bytes=budget_bytes, fits=plan.saved_bytes <= budget_bytes)
         if not note.fits:
-            warnings.warn(f"compshard: recompute budget_mb={option['budget_mb']} cannot be met: the least this graph "
-                          f"saves is {plan.saved_bytes / MB:.3f} MB of activations per rank (blocks: "
-                          f"{', '.join(level.name.lower() for level in levels.values()) or 'none found'}); using that",
-                          stacklevel=2)
+            warn(f"compshard: recompute budget_mb={option['budget_mb']} (MiB) cannot be met: the least this graph "
+                 f"saves is {plan.saved_bytes / MB:.3f} MiB of activations per rank (blocks: "
+                 f"{', '.join(level.name.lower() for level in levels.values()) or 'none found'}); using that")
     else:
         levels = {block: Level[option.upper()] for block in policy.blocks}
         plan = policy.plan(levels, None)

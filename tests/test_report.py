@@ -1,0 +1,53 @@
+"""compshard.inspect's report in one process: the table, the fingerprints, the trace."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import compshard
+from tests.models import make_model
+from tests.trace_checks import check_trace
+
+
+@pytest.fixture(scope="module")
+def report():
+    torch._dynamo.reset()
+    model, batch = make_model("gpt")
+    return compshard.inspect(compshard.shard(model), *batch, profile=True)
+
+
+def _table_rows(text: str) -> list[str]:
+    """The node table's rows (between its header rule and the blank line after it)."""
+    lines = text.split("\n\n")[1].splitlines()
+    return lines[2:]
+
+
+def test_table_hides_rows_that_only_view_tensors(report):
+    rows = _table_rows(str(report))
+    with_views = _table_rows(report.table(views=True))
+    # one rank: nothing to gather, so packs and unpacks are views; compute runs fold into one row per graph
+    assert [row.split()[0] for row in rows] == ["forward", "backward"], rows
+    assert all(" compute " in row for row in rows)
+    assert len(with_views) > len(rows) and any(" unpack " in row for row in with_views)
+    assert len(set(rows)) == len(rows)
+
+
+def test_forward_and_backward_fingerprints_differ(report):
+    assert set(report.fingerprints) == {"forward", "backward"}
+    assert report.fingerprints["forward"] != report.fingerprints["backward"]
+
+
+def test_trace_has_one_time_origin_integer_pids_and_memory_counters(report, tmp_path):
+    path = tmp_path / "trace.json"
+    report.save_trace(path)
+    events = json.loads(path.read_text())["traceEvents"]
+    check_trace(events, measured=True)
+    live = [e["args"]["bytes"] for e in events if e["ph"] == "C" and e["name"] == "estimated live bytes"]
+    assert max(live) <= max(report.peak_bytes.values())  # live after a node never exceeds the peak during one
+
+
+def test_version():
+    assert isinstance(compshard.__version__, str) and compshard.__version__.count(".") == 2
