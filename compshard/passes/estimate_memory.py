@@ -14,6 +14,7 @@ their backend's scratch buffers (gloo's; see ``backend_scratch_bytes``). Writes
 from __future__ import annotations
 
 import operator
+from dataclasses import dataclass
 
 from torch import fx
 from torch.distributed.distributed_c10d import _resolve_process_group
@@ -56,17 +57,39 @@ def backend_scratch_bytes(start: fx.Node) -> int:
     return 2 * nbytes(start.meta["val"]) if kind == "all_gather" else nbytes(start.args[0].meta["val"])
 
 
-def live_bytes(graph: fx.Graph, count_inputs: bool) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
-    """Estimated bytes live (inputs counted when ``count_inputs``) while each node runs
-    (its outputs allocated, nothing released yet; a multi-output op allocates every
-    output it hands on; a collective start, its backend's scratch until the wait) and
-    after it (its dead inputs released)."""
-    order = node_order(graph)
+@dataclass
+class Storages:
+    """Where each storage of a graph is allocated and released (the facts ``live_bytes``
+    sums): ``roots`` maps a node to the storage its value lives in (None: not counted);
+    ``allocates`` maps a node to the bytes it allocates while it runs (new storages of
+    the op behind it, a collective's backend scratch); ``released`` maps a node index
+    to the bytes released after that node."""
+
+    nodes: list[fx.Node]
+    order: dict[fx.Node, int]
+    roots: dict[fx.Node, fx.Node | None]
+    allocates: dict[fx.Node, int]
+    release_at: dict[fx.Node, int]  # storage root -> index of the node after which it dies
+    outputs: set[fx.Node]  # storage roots that reach the graph outputs (never released)
+    released: dict[int, int]
+
+    def release_index(self, root: fx.Node) -> int:
+        """Index of the node after which ``root``'s storage dies (the last node: never)."""
+        if root in self.outputs or root not in self.release_at:
+            return len(self.nodes) - 1
+        return self.release_at[root]
+
+
+def storages(graph: fx.Graph, count_inputs: bool) -> Storages:
+    """The allocation and release of every counted storage of ``graph`` (inputs counted
+    when ``count_inputs``)."""
+    nodes = list(graph.nodes)
+    order = {node: i for i, node in enumerate(nodes)}
     roots: dict[fx.Node, fx.Node | None] = {}
-    release_at: dict[fx.Node, int] = {}  # storage root -> index of the node after which it dies
-    allocates: dict[fx.Node, int] = {}  # node -> bytes of new storage while it runs
+    release_at: dict[fx.Node, int] = {}
+    allocates: dict[fx.Node, int] = {}
     outputs: set[fx.Node] = set()
-    for node in graph.nodes:
+    for node in nodes:
         roots[node] = _storage_root(node, roots, count_inputs)
         root = roots[node]
         if root is None:
@@ -84,17 +107,26 @@ def live_bytes(graph: fx.Graph, count_inputs: bool) -> tuple[dict[fx.Node, int],
     for root, index in release_at.items():
         if root not in outputs:
             released[index] = released.get(index, 0) + nbytes(root.meta.get("val"))
-    for node in graph.nodes:
+    for node in nodes:
         scratch = backend_scratch_bytes(node)
         if scratch:
             allocates[node] = allocates.get(node, 0) + scratch
             wait = order[next(iter(node.users))]
             released[wait] = released.get(wait, 0) + scratch
+    return Storages(nodes, order, roots, allocates, release_at, outputs, released)
+
+
+def live_bytes(graph: fx.Graph, count_inputs: bool) -> tuple[dict[fx.Node, int], dict[fx.Node, int]]:
+    """Estimated bytes live (inputs counted when ``count_inputs``) while each node runs
+    (its outputs allocated, nothing released yet; a multi-output op allocates every
+    output it hands on; a collective start, its backend's scratch until the wait) and
+    after it (its dead inputs released)."""
+    events = storages(graph, count_inputs)
     live, during, after = 0, {}, {}
-    for node in graph.nodes:
-        live += allocates.get(node, 0)
+    for index, node in enumerate(events.nodes):
+        live += events.allocates.get(node, 0)
         during[node] = live
-        live -= released.get(order[node], 0)
+        live -= events.released.get(index, 0)
         after[node] = live
     return during, after
 
