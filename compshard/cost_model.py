@@ -98,7 +98,10 @@ def collective_seconds(nbytes: int, costs: Costs) -> float:
 
 
 def node_seconds(node: fx.Node, costs: Costs) -> float:
-    """Estimated seconds of one compute node, from its fake tensors."""
+    """Estimated seconds of one compute node, from its fake tensors (symbolic sizes at
+    their hints: no guard)."""
+    from compshard.passes.fx_utils import nbytes, size_hint  # the passes import this module
+
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
     args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
@@ -109,10 +112,10 @@ def node_seconds(node: fx.Node, costs: Costs) -> float:
         try:
             with fake_mode, FlopCounterMode(display=False) as counter:
                 node.target(*args, **kwargs)
-            flops = counter.get_total_flops()
+            flops = size_hint(counter.get_total_flops())
         except Exception:  # noqa: BLE001 - an op the fake mode cannot run again costs its bytes
             flops = 0
     if flops:
         return costs.node_overhead + flops / costs.flops_per_second
-    touched = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor))
+    touched = nbytes(list(torch.utils._pytree.tree_leaves(val)))
     return costs.node_overhead + touched / costs.bytes_per_second
