@@ -15,10 +15,17 @@ Rule (``options.coalesce == "auto"``), greedy in the order the collectives are n
 (all-gathers by first use, reduce-scatters by when their last gradient exists): the next
 bucket joins the current collective when both have the same collective key (process
 group, dtypes), the joined bytes fit ``bucket_mb`` and ``max_inflight_mb``, and the
-graph's estimated peak (``estimate_memory.live_bytes`` of a copy lowered with the
+graph's estimated peak (``estimate_memory.live_bytes`` of the graph lowered with the
 candidate plan, every all-gather starting at its wait as ``prefetch`` leaves them before
 it moves them) is no higher than with one collective per bucket. In backward the
 all-gathers are decided first, then the reduce-scatters with them.
+
+Cost: the graph is lowered once (one collective per bucket) and every candidate is
+priced from that copy's live-bytes profile (``_PeakModel``: a sum over the positions,
+no graph work), so the pass is linear in the graph's size times the number of buckets
+in cheap list arithmetic; lowering a copy per candidate (what the model reproduces, and
+what it falls back to where it does not apply) was quadratic. Sizes are read at their
+hints (``fx_utils.size_hint``), so dynamic shapes install no guard here.
 
 Trade-off: a joined all-gather brings the later bucket's parameters in with the earlier
 one (held sooner, and not overlapped with the earlier bucket's compute); a joined
