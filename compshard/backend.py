@@ -70,9 +70,8 @@ def _graph_compiler(kind: str, options: CompileOptions, shared: dict) -> Callabl
 def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
     """torch.compile backend entry: ``torch.compile(m, backend="compshard", options=...)``."""
     opts = CompileOptions.from_dict(options)
-    run_passes(gm, PassContext(opts, "dynamo"))
-
     shared: dict = {}  # the bucket and recompute plans, made on the joint graph, used by all three graphs
+    run_passes(gm, PassContext(opts, "dynamo", shared=shared))
 
     def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         run_passes(joint, PassContext(opts, "joint", shared=shared))

@@ -97,11 +97,45 @@ def collective_seconds(nbytes: int, costs: Costs) -> float:
     return costs.alpha + nbytes * costs.beta
 
 
+_seconds_cache: dict[tuple, float] = {}
+
+
+def _describe(value) -> object:
+    """What an op's estimate depends on in one argument: a tensor's shape, strides and
+    dtype (a symbolic size by its expression and hint: neither installs a guard)."""
+    from compshard.passes.fx_utils import size_hint
+
+    if isinstance(value, torch.Tensor):
+        return (tuple((str(n), size_hint(n)) for n in value.shape), tuple(map(str, value.stride())), value.dtype,
+                value.device.type)
+    if isinstance(value, (list, tuple)):
+        return tuple(_describe(v) for v in value)
+    return repr(value)
+
+
 def node_seconds(node: fx.Node, costs: Costs) -> float:
-    """Estimated seconds of one compute node, from its fake tensors."""
+    """Estimated seconds of one compute node, from its fake tensors (symbolic sizes at
+    their hints: no guard). Cached per op, argument shapes and constants: the repeated
+    blocks of a model run the same ops on the same shapes, and are counted once."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
     args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    try:
+        key = (node.target, costs, _describe(args), _describe(kwargs), _describe(node.meta.get("val")))
+        hash(key)
+    except TypeError:  # an argument that cannot be a key: estimate it anew
+        key = None
+    if key is not None and key in _seconds_cache:
+        return _seconds_cache[key]
+    seconds = _node_seconds(node, args, kwargs, costs)
+    if key is not None:
+        _seconds_cache[key] = seconds
+    return seconds
+
+
+def _node_seconds(node: fx.Node, args, kwargs, costs: Costs) -> float:
+    from compshard.passes.fx_utils import nbytes, size_hint  # the passes import this module
+
     val = node.meta.get("val")
     fake_mode = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(val) if hasattr(v, "fake_mode")), None)
     flops = 0
@@ -109,10 +143,10 @@ def node_seconds(node: fx.Node, costs: Costs) -> float:
         try:
             with fake_mode, FlopCounterMode(display=False) as counter:
                 node.target(*args, **kwargs)
-            flops = counter.get_total_flops()
+            flops = size_hint(counter.get_total_flops())
         except Exception:  # noqa: BLE001 - an op the fake mode cannot run again costs its bytes
             flops = 0
     if flops:
         return costs.node_overhead + flops / costs.flops_per_second
-    touched = sum(t.numel() * t.element_size() for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor))
+    touched = nbytes(list(torch.utils._pytree.tree_leaves(val)))
     return costs.node_overhead + touched / costs.bytes_per_second

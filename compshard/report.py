@@ -62,6 +62,8 @@ class Report:
             graph was compiled, e.g. for inference).
         config: the module's :class:`~compshard.sharding.ShardingConfig` (strategy, group
             sizes, dtypes, offload), shown first in ``str(report)``.
+        pass_seconds: graph kind ("dynamo", "joint", "forward", ...) -> pass name -> wall
+            seconds that pass took while compiling.
     """
 
     def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None,
@@ -73,6 +75,8 @@ class Report:
         self.timelines: dict[str, Timeline] = {kind: simulate(gm.graph) for kind, gm in self.graphs.items()}
         self.measured_trace = measured_trace
         self.recompute: RecomputeNote | None = compiled[0].shared.get("recompute")
+        self.pass_seconds = {kind: dict(seconds) for g in compiled
+                             for kind, seconds in g.shared.get("pass_seconds", {}).items()}
         distances = {g.kind: g.notes.get("prefetch", {}) for g in compiled}
         self.buckets = [
             {"name": b.name, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered,

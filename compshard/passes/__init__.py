@@ -17,6 +17,7 @@ module whose docstring states what holds before and after it.
 
 from __future__ import annotations
 
+import time
 from typing import Callable, Sequence
 
 from torch import fx
@@ -53,12 +54,21 @@ PIPELINES: dict[str, Sequence[Pass]] = {
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Run the pipeline for ``ctx.graph`` on ``gm``; lint after each pass when ``verify``."""
+    """Run the pipeline for ``ctx.graph`` on ``gm``; lint after each pass when ``verify``.
+
+    Records each pass's wall seconds in ``ctx.notes["pass_seconds"]`` (pass name ->
+    seconds, in pipeline order) and under ``ctx.shared["pass_seconds"][ctx.graph]``, so
+    the report sees the joint graph's passes too."""
+    seconds: dict[str, float] = {}
     for pass_ in PIPELINES[ctx.graph]:
+        started = time.perf_counter()
         pass_(gm, ctx)
         if ctx.options.verify:
             gm.graph.lint()
+        seconds[pass_.__name__] = time.perf_counter() - started
     gm.recompile()
+    ctx.notes["pass_seconds"] = seconds
+    ctx.shared.setdefault("pass_seconds", {})[ctx.graph] = seconds
 
 
 __all__ = ["PIPELINES", "PassContext", "ScheduleError", "run_passes"]

@@ -15,10 +15,17 @@ Rule (``options.coalesce == "auto"``), greedy in the order the collectives are n
 (all-gathers by first use, reduce-scatters by when their last gradient exists): the next
 bucket joins the current collective when both have the same collective key (process
 group, dtypes), the joined bytes fit ``bucket_mb`` and ``max_inflight_mb``, and the
-graph's estimated peak (``estimate_memory.live_bytes`` of a copy lowered with the
+graph's estimated peak (``estimate_memory.live_bytes`` of the graph lowered with the
 candidate plan, every all-gather starting at its wait as ``prefetch`` leaves them before
 it moves them) is no higher than with one collective per bucket. In backward the
 all-gathers are decided first, then the reduce-scatters with them.
+
+Cost: the graph is lowered once (one collective per bucket) and every candidate is
+priced from that copy's live-bytes profile (``_PeakModel``: a sum over the positions,
+no graph work), so the pass is linear in the graph's size times the number of buckets
+in cheap list arithmetic; lowering a copy per candidate (what the model reproduces, and
+what it falls back to where it does not apply) was quadratic. Sizes are read at their
+hints (``fx_utils.size_hint``), so dynamic shapes install no guard here.
 
 Trade-off: a joined all-gather brings the later bucket's parameters in with the earlier
 one (held sooner, and not overlapped with the earlier bucket's compute); a joined
@@ -29,13 +36,19 @@ one transfer may cost in lost overlap. ``"none"``: one collective per bucket.
 
 from __future__ import annotations
 
+import itertools
+import operator
+from dataclasses import dataclass, field
+
 from torch import fx
 
 from compshard.ops import ReduceGradArgs, UnshardArgs
 from compshard.passes.assign_buckets import Bucket, members_by_bucket
 from compshard.passes.context import PassContext
-from compshard.passes.estimate_memory import live_bytes
-from compshard.passes.fx_utils import MB, compshard_ops, is_op, node_order, reuse_emitted_values
+from compshard.passes.estimate_memory import backend_scratch_bytes, live_bytes, storages
+from compshard.passes.fx_utils import (
+    MB, META_KEY, compshard_ops, is_op, is_view, nbytes, node_order, producer, reuse_emitted_values, schedule_kind,
+)
 from compshard.passes.lower_reduce_grad import lower_reduce_grads, reduced_in_bucket
 from compshard.passes.lower_unshard import gathered_remotely, lower_gathers
 from compshard.passes.prefetch import start_gathers_at_waits
@@ -57,6 +70,175 @@ def _estimated_peak(graph: fx.Graph, ctx: PassContext, plan: dict[str, list[list
             lower_reduce_grads(trial, trial_ctx)
     start_gathers_at_waits(trial)
     return max(live_bytes(trial, count_inputs=ctx.graph == "backward")[0].values(), default=0)
+
+
+_PACKS = (compshard_ops.all_gather_copy_in.default, compshard_ops.reduce_scatter_copy_in.default)
+_UNPACKS = (compshard_ops.all_gather_copy_out.default, compshard_ops.reduce_scatter_copy_out.default)
+
+
+@dataclass
+class _Lowered:
+    """One bucket's collective in the graph lowered with one collective per bucket:
+    indices of its pack, start, wait and unpack, the bytes each holds, and the indices of
+    its nodes before the start (front) and from the wait on (back)."""
+
+    pack: int
+    start: int
+    wait: int
+    unpack: int
+    buffer: int  # all-gather: the gathered buffer; reduce-scatter: the packed input
+    output: int  # reduce-scatter: its output (this rank's rows); all-gather: 0 (filled in place)
+    scratch_per_byte: int  # the backend's scratch, per byte of ``buffer``
+    unpacked: list[tuple[int, int]]  # (bytes, index after which it dies) per unpacked tensor
+    front: list[int] = field(default_factory=list)
+    back: list[int] = field(default_factory=list)
+
+
+class _PeakModel:
+    """The estimated peak of the graph lowered with any coalescing plan, from ONE copy
+    lowered with one collective per bucket (every all-gather started at its wait).
+
+    Joining buckets into one collective changes the lowered graph's live bytes in known
+    places only: the joined collective sits where its first bucket's did (all-gathers:
+    the first needed; a reduce-scatter's pack and start where its last gradient is
+    ready, its wait and unpack where its first lowered bucket's were), its buffers hold
+    the sum of the buckets' bytes, every bucket's unpacked tensor is allocated there and
+    dies where it did, the other buckets' collectives are gone, and the inputs the packs
+    read (shards, gradients) die at the joined pack. So the peak of a plan is the
+    profile of the separate lowering with each collective's own intervals taken out
+    (``base``) plus the plan's intervals: one array sum per trial instead of lowering
+    a copy of the graph per trial. ``build`` returns None where the graph has a shape
+    this model does not describe (all-reduces across replicas, a reduce-scatter waited
+    before compute that follows it); the caller then lowers copies as before."""
+
+    def __init__(self, size: int, lowered: dict[tuple[str, str], _Lowered],
+                 read: list[tuple[int, int, int, list[tuple[str, str]]]]) -> None:
+        self.size = size
+        self.lowered = lowered
+        self.read = read  # (allocated at, bytes, last other use, buckets whose packs read it) per storage
+        self.base = [0] * size
+
+    @classmethod
+    def build(cls, graph: fx.Graph, ctx: PassContext, plan: dict[str, list[list[str]]]) -> "_PeakModel | None":
+        trial = _copy(graph)
+        trial_ctx = PassContext(ctx.options, ctx.graph, shared=ctx.shared, notes={"coalesced": plan})
+        with reuse_emitted_values():
+            lower_gathers(trial, trial_ctx)
+            if ctx.graph == "backward":
+                lower_reduce_grads(trial, trial_ctx)
+        start_gathers_at_waits(trial)
+        events = storages(trial, count_inputs=ctx.graph == "backward")
+        order, nodes = events.order, events.nodes
+        parts: dict[str, dict] = {}
+        for node in nodes:
+            meta = node.meta.get(META_KEY)
+            if meta and meta["collective"]:
+                parts.setdefault(meta["collective"], {"nodes": []})["nodes"].append(node)
+                kind = meta["kind"]
+                if kind == "all_reduce":
+                    return None
+                if kind in ("all_gather", "reduce_scatter"):
+                    parts[meta["collective"]].update(start=node, kind=kind, buckets=meta["buckets"])
+                elif kind == "wait":
+                    parts[meta["collective"]]["wait"] = node
+                elif is_op(node, *_PACKS):
+                    parts[meta["collective"]]["pack"] = node
+                elif is_op(node, *_UNPACKS):
+                    parts[meta["collective"]]["unpack"] = node
+        last_compute = max((order[n] for n in nodes if n.op == "call_function" and schedule_kind(n) is None
+                            and not is_view(n)), default=-1)
+        lowered: dict[tuple[str, str], _Lowered] = {}
+        for part in parts.values():
+            if not {"start", "wait", "pack", "unpack"} <= part.keys() or len(part["buckets"]) != 1:
+                return None
+            pack, start, wait, unpack = part["pack"], part["start"], part["wait"], part["unpack"]
+            buffer = nbytes(pack.meta["val"])
+            scratch = backend_scratch_bytes(start)
+            unpacked = [(nbytes(user.meta["val"]), events.release_index(user)) for user in unpack.users]
+            if part["kind"] == "all_gather":
+                output = 0
+            else:
+                output = nbytes(start.meta["val"])
+                if events.release_index(pack) != order[start] or events.release_index(start) != order[unpack] \
+                        or order[wait] <= last_compute:
+                    return None
+            if buffer == 0 or scratch % buffer:
+                return None
+            record = _Lowered(order[pack], order[start], order[wait], order[unpack], buffer, output,
+                              scratch // buffer, unpacked)
+            for node in part["nodes"]:
+                (record.front if order[node] <= order[start] else record.back).append(order[node])
+            lowered[(part["kind"], part["buckets"][0])] = record
+        # Storages the packs read (shards in backward, gradients): they die after their
+        # last other use or the last pack that reads them, whichever is later.
+        read_by: dict[fx.Node, list[tuple[str, str]]] = {}
+        for (kind, name), record in lowered.items():
+            for source in nodes[record.pack].all_input_nodes:
+                root = events.roots.get(source)
+                if root is not None and root not in events.outputs:
+                    read_by.setdefault(root, []).append((kind, name))
+        packing: set[fx.Node] = set()  # packs, and views read by packs alone (lowering moves them with the pack)
+        for node in reversed(nodes):
+            if is_op(node, *_PACKS) or (is_view(node) and node.users and all(u in packing for u in node.users)):
+                packing.add(node)
+        other: dict[fx.Node, int] = {}
+        for node in nodes:
+            root = events.roots.get(node)
+            if root in read_by:
+                for user in node.users:
+                    if user not in packing:
+                        other[root] = max(other.get(root, -1), order[user])
+        read = []
+        for root, buckets in read_by.items():
+            latest = max(lowered[b].pack for b in buckets)
+            if events.release_index(root) != max(other.get(root, -1), latest):
+                return None
+            read.append((order[producer(root)], nbytes(root.meta.get("val")), other.get(root, -1), buckets))
+        model = cls(len(nodes), lowered, read)
+        during, _ = live_bytes(trial, count_inputs=ctx.graph == "backward")
+        separate, _ = model._intervals(plan)
+        model.base = [during[node] - held for node, held in zip(nodes, separate)]
+        return model
+
+    def _intervals(self, plan: dict[str, list[list[str]]]) -> tuple[list[int], list[bool]]:
+        """Bytes the plan's collectives (and the storages their packs read) hold at each
+        index, and which indices exist in the plan's lowering."""
+        diff = [0] * (self.size + 1)
+        exists = [True] * self.size
+
+        def hold(first: int, last: int, nbytes_: int) -> None:
+            if last >= first and nbytes_:
+                diff[first] += nbytes_
+                diff[last + 1] -= nbytes_
+
+        pack_at: dict[tuple[str, str], int] = {}
+        for kind, collectives in plan.items():
+            for names in collectives:
+                records = [self.lowered[(kind, name)] for name in names]
+                if kind == "all_gather":
+                    front = back = records[0]  # the first needed
+                else:
+                    front = max(records, key=lambda r: r.pack)  # where the last gradient is ready
+                    back = min(records, key=lambda r: r.wait)  # the first lowered
+                buffer = sum(r.buffer for r in records)
+                hold(front.pack, front.start if kind == "reduce_scatter" else back.unpack, buffer)
+                hold(front.start, back.wait, front.scratch_per_byte * buffer)
+                hold(front.start, back.unpack, sum(r.output for r in records))
+                for record in records:
+                    for nbytes_, dies in record.unpacked:
+                        hold(back.unpack, dies, nbytes_)
+                    for index in (record.front if record is not front else []) + \
+                            (record.back if record is not back else []):
+                        exists[index] = False
+                for name in names:
+                    pack_at[(kind, name)] = front.pack
+        for allocated, nbytes_, other, buckets in self.read:
+            hold(allocated, max(other, *(pack_at[b] for b in buckets)), nbytes_)
+        return list(itertools.accumulate(diff[:-1])), exists
+
+    def peak(self, plan: dict[str, list[list[str]]]) -> int:
+        held, exists = self._intervals(plan)
+        return max(itertools.compress(map(operator.add, self.base, held), exists), default=0)
 
 
 def _key(marker: fx.Node) -> tuple:
@@ -94,7 +276,12 @@ def coalesce_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
     plan = {kind: _names([[pair] for pair in pairs]) for kind, pairs in buckets.items()}
     if all(len(pairs) < 2 for pairs in buckets.values()):
         return
-    bound = _estimated_peak(graph, ctx, plan)
+    model = _PeakModel.build(graph, ctx, plan)
+
+    def estimated_peak(candidate: dict[str, list[list[str]]]) -> int:
+        return model.peak(candidate) if model is not None else _estimated_peak(graph, ctx, candidate)
+
+    bound = estimated_peak(plan)
     cap = min(ctx.options.bucket_mb, ctx.options.max_inflight_mb) * MB
     for kind, pairs in buckets.items():  # all-gathers first: the reduce-scatters are tried with them
         collectives: list[list[tuple[Bucket, list[fx.Node]]]] = []
@@ -103,7 +290,7 @@ def coalesce_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
                     and sum(bucket.nbytes for bucket, _ in collectives[-1]) + pair[0].nbytes <= cap:
                 joined = [*collectives[:-1], [*collectives[-1], pair]]
                 alone_after = [[later] for later in pairs[k + 1:]]
-                if _estimated_peak(graph, ctx, {**plan, kind: _names(joined + alone_after)}) <= bound:
+                if estimated_peak({**plan, kind: _names(joined + alone_after)}) <= bound:
                     collectives = joined
                     continue
             collectives.append([pair])

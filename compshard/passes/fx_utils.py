@@ -14,6 +14,7 @@ from typing import Any, Iterator
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 
 aten = torch.ops.aten
 c10d = torch.ops._c10d_functional
@@ -56,10 +57,11 @@ _reused_values: dict | None = None
 
 
 def _value_key(node: fx.Node) -> tuple:
-    """The metadata an op's fake result depends on: shape, strides, offset, dtype, device."""
+    """The metadata an op's fake result depends on: shape, strides, offset, dtype, device
+    (symbolic sizes by their expressions: hashing or comparing a SymInt would guard)."""
     leaves, spec = torch.utils._pytree.tree_flatten(node.meta["val"])
-    return (str(spec), *((tuple(t.shape), tuple(t.stride()), t.storage_offset(), t.dtype, t.device)
-                         if isinstance(t, torch.Tensor) else t for t in leaves))
+    return (str(spec), *((tuple(map(str, t.shape)), tuple(map(str, t.stride())), str(t.storage_offset()), t.dtype,
+                          t.device) if isinstance(t, torch.Tensor) else str(t) for t in leaves))
 
 
 @contextlib.contextmanager
@@ -151,9 +153,22 @@ def collective_group(graph: fx.Graph) -> str | None:
     return None
 
 
+UNBACKED_SIZE_HINT = 8192  # what a data-dependent size is taken to be (Inductor's default)
+
+
+def size_hint(value: Any) -> int:
+    """A size as a plain int: a symbolic size's example value (its hint), read without
+    installing a guard, so estimates made from it never make Dynamo recompile for a new
+    shape. Only for estimates: a decision made from a hint must be valid for any size."""
+    if isinstance(value, torch.SymInt):
+        return optimization_hint(value, fallback=UNBACKED_SIZE_HINT)
+    return int(value)
+
+
 def nbytes(val: Any) -> int:
+    """Bytes of a (fake) tensor or a list of them, symbolic sizes at their hints."""
     if isinstance(val, torch.Tensor):
-        return val.numel() * val.element_size()
+        return size_hint(val.numel()) * val.element_size()
     if isinstance(val, (list, tuple)):
         return sum(nbytes(v) for v in val)
     return 0

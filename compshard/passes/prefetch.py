@@ -22,6 +22,10 @@ not move, so every use still follows its wait; ``ctx.notes["prefetch"]`` records
 bucket, across how many other all-gathers' uses its gather runs (0: started at its wait).
 
 Trade-off: a longer lead hides more latency but holds more gathered bytes at once.
+
+Cost: positions, live bytes (``estimate_memory.LiveProfile``) and compute prefix sums
+are built once per graph and updated only over the window of positions each gather
+moves across, instead of recomputed for every gather; sizes are hints (no guards).
 """
 
 from __future__ import annotations
@@ -30,8 +34,8 @@ from torch import fx
 
 from compshard.passes.context import PassContext
 from compshard.passes.estimate_costs import SECONDS
-from compshard.passes.estimate_memory import backend_scratch_bytes, live_bytes
-from compshard.passes.fx_utils import MB, META_KEY, hoist_before, is_view, nbytes, node_order, schedule_kind
+from compshard.passes.estimate_memory import LiveProfile, backend_scratch_bytes
+from compshard.passes.fx_utils import MB, META_KEY, aten, is_op, is_view, nbytes, node_order, schedule_kind
 
 
 
@@ -64,25 +68,30 @@ def _inflight_bytes(gathers: list[dict], index: int, start_position: int, order:
     return nbytes
 
 
+def _compute_seconds(node: fx.Node) -> float:
+    return node.meta.get(SECONDS, 0.0) if schedule_kind(node) is None else 0.0
+
+
 def _compute_prefix(graph: fx.Graph) -> list[float]:
     """``prefix[i]``: estimated compute seconds of the graph's first ``i`` nodes."""
     prefix = [0.0]
     for node in graph.nodes:
-        prefix.append(prefix[-1] + (node.meta.get(SECONDS, 0.0) if schedule_kind(node) is None else 0.0))
+        prefix.append(prefix[-1] + _compute_seconds(node))
     return prefix
 
 
 def start_gathers_at_waits(graph: fx.Graph) -> list[dict]:
     """Move every all-gather's pack and start to just before its wait (nothing in flight
     at once); return the gathers in order of their waits."""
-    gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: node_order(graph)[g["wait"]])
+    order = node_order(graph)
+    gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: order[g["wait"]])
     for gather in gathers:
         for node in gather["pack"] + [gather["start"]]:
             gather["wait"].prepend(node)
     return gathers
 
 
-def _auto_start(gathers: list[dict], i: int, nodes: list[fx.Node], order: dict, during: dict, prefix: list[float],
+def _auto_start(gathers: list[dict], i: int, order: dict, during: list[int], prefix: list[float],
                 peak: int, bound: float, earliest: int) -> int:
     """The index gather ``i``'s pack goes to: walking back from where it is issued now,
     the nearest position that hides all of its estimated time, else the one that hides
@@ -96,7 +105,7 @@ def _auto_start(gathers: list[dict], i: int, nodes: list[fx.Node], order: dict, 
         + backend_scratch_bytes(gather["start"])  # the output (filled in place) and the backend's own
     best, best_hidden, highest = issued_at, 0.0, 0
     for position in range(issued_at - 1, earliest - 1, -1):
-        highest = max(highest, during[nodes[position]])
+        highest = max(highest, during[position])
         if highest + held > peak or _inflight_bytes(gathers, i, position, order) > bound:
             break
         queued = sum(g["start"].meta[SECONDS] for g in gathers[:i] if order[g["wait"]] >= position)
@@ -121,24 +130,43 @@ def _fixed_start(gathers: list[dict], i: int, order: dict, first: int, distance:
     return best
 
 
+def _shard_chain(shard: fx.Node, moving: list[fx.Node], order: dict, cursor: int, chosen: set) -> list[fx.Node]:
+    """The views (and device copies) from a graph input to ``shard`` placed after index
+    ``cursor``: they move up with the gather that reads them. Only such nodes move, so
+    moving cannot change what any node computes."""
+    pending, chain = [shard], []
+    while pending:
+        current = pending.pop()
+        if current.op == "placeholder" or current in moving or current in chosen or order[current] <= cursor:
+            continue
+        if not (is_view(current) or is_op(current, aten._to_copy.default)):
+            raise RuntimeError(f"compshard: cannot move {current.format_node()} above {moving[0].name}: not a view")
+        chain.append(current)
+        chosen.add(current)
+        pending.extend(current.all_input_nodes)
+    return sorted(chain, key=order.__getitem__)
+
+
 def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """One walk over the graph: the positions, live bytes and compute prefix sums are
+    built once and updated only inside the window each gather moves across."""
     graph = gm.graph
     gathers = start_gathers_at_waits(graph)  # from a known state
     last_input = list(graph.find_nodes(op="placeholder"))[-1]
     bound = ctx.options.max_inflight_mb * MB
-    count_inputs = ctx.graph == "backward"
-    peak = max(live_bytes(graph, count_inputs)[0].values(), default=0)
+    profile = LiveProfile(graph, count_inputs=ctx.graph == "backward")
+    order, nodes = profile.order, profile.nodes
+    peak = max(profile.during, default=0)
+    prefix = _compute_prefix(graph)
     distances = {}
+    placed: set[fx.Node] = set()
     for i, gather in enumerate(gathers):
-        order = node_order(graph)
-        nodes = list(graph.nodes)
         moving = gather["pack"] + [gather["start"]]
         issued_at = order[moving[0]]
         first = order[last_input] + 1
         earliest = order[gathers[i - 1]["start"]] + 1 if i else first  # keep issue order = order of use
         if ctx.options.prefetch == "auto":
-            position = _auto_start(gathers, i, nodes, order, live_bytes(graph, count_inputs)[0],
-                                   _compute_prefix(graph), peak, bound, earliest)
+            position = _auto_start(gathers, i, order, profile.during, prefix, peak, bound, earliest)
         else:
             position = _fixed_start(gathers, i, order, first, ctx.options.prefetch, bound)
         # all-gathers ahead: across how many others' uses the gather now runs (0: it starts at its wait)
@@ -146,17 +174,19 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
             (j for j in range(i) if order[gathers[j]["wait"]] < position), default=-1)
         for bucket in gather["start"].meta[META_KEY]["buckets"]:
             distances[bucket] = distance
-        if position >= issued_at:
-            continue
-        cursor = nodes[position - 1]
-        placed = {n for g in gathers[:i] for n in g["pack"] + [g["start"]]}
-        while cursor.next in placed or is_view(cursor.next):  # keep issue order = order of use
-            cursor = cursor.next
-        for node in moving:
-            cursor.append(node)
-            cursor = node
-        for node in moving:
-            for shard in node.all_input_nodes:
-                if shard not in moving:
-                    hoist_before(shard, moving[0])
+        if position < issued_at:
+            cursor = nodes[position - 1]
+            while cursor.next in placed or is_view(cursor.next):  # keep issue order = order of use
+                cursor = cursor.next
+            last = max(order[node] for node in moving)
+            chosen: set[fx.Node] = set()
+            chains = [_shard_chain(shard, moving, order, order[cursor], chosen)
+                      for node in moving for shard in node.all_input_nodes if shard not in moving]
+            for node in [n for chain in chains for n in chain] + moving:
+                cursor.append(node)
+                cursor = node
+            profile.moved(position, last, moving + list(chosen))  # nodes moved within position..last
+            for index in range(position, last + 1):
+                prefix[index + 1] = prefix[index] + _compute_seconds(nodes[index])
+        placed.update(moving)
     ctx.notes["prefetch"] = distances

@@ -1,0 +1,161 @@
+"""Compile-time benchmark: compshard's first step against torch.compile with aot_eager and inductor.
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_compile.py
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_compile.py --layers 4,16 --systems compshard,aot_eager
+
+What a user waits for: the first training step (forward, backward, optimizer step) of a
+freshly compiled model, compilation included, on every rank (the slowest rank's time).
+The model is the tiny GPT of ``compshard.models`` (width 64 by default), at each depth
+of --layers:
+
+- ``compshard``: sharded with ``compshard.shard`` (calibration happens there, before the
+  clock starts) and compiled with ``backend="compshard"``;
+- ``aot_eager``, ``inductor``: the same model unsharded, ``torch.compile`` with that
+  backend (Inductor's caches are disabled, so each repeat compiles from scratch).
+
+Every measurement starts from ``torch._dynamo.reset()`` (after one untimed compile of a
+one-layer GPT per system, so one-time process costs fall on none); each system and depth is timed
+--repeats times (round-robin over the systems) and the median is reported, with its
+ratio to aot_eager's. For compshard the seconds of each pass (summed over the graphs
+of one compile: Dynamo's, the joint, forward and backward) are printed too, the median
+over repeats. A JSON record goes to --out.
+
+Caveat: on a shared CPU the figures are noisy; compare ratios within one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+
+import compshard
+from compshard import backend
+from compshard.models import GPT, GPTConfig
+from harness import init_distributed, progress, write_results
+
+SYSTEMS = ("compshard", "aot_eager", "inductor")
+
+
+def first_step_seconds(system: str, reference: torch.nn.Module, batch: tuple, options: dict | None) -> tuple[float, dict]:
+    """Seconds of the first step of a freshly compiled copy of ``reference`` (the largest
+    over ranks), and for compshard the seconds per pass summed over its graphs."""
+    torch._dynamo.reset()
+    model = copy.deepcopy(reference)
+    captured: list = []
+    if system == "compshard":
+        compshard.shard(model)
+        compiled = torch.compile(model, backend="compshard", options=options)
+    else:
+        compiled = torch.compile(model, backend=system)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    if dist.is_initialized():
+        dist.barrier()
+    previous, backend._capture = backend._capture, captured
+    try:
+        start = time.perf_counter()
+        loss = compiled(*batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+    finally:
+        backend._capture = previous
+    passes: dict[str, float] = {}
+    seen = set()
+    for graph in captured:
+        if id(graph.shared) in seen:
+            continue
+        seen.add(id(graph.shared))
+        for seconds in graph.shared.get("pass_seconds", {}).values():
+            for name, value in seconds.items():
+                passes[name] = passes.get(name, 0.0) + value
+    slowest = torch.tensor([elapsed], dtype=torch.float64)
+    if dist.is_initialized():
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item(), passes
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", default="4,16,48", help="comma-separated depths")
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {list(SYSTEMS)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--vocab", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
+    parser.add_argument("--options", default=None, help="compshard compile options (JSON)")
+    parser.add_argument("--out", default="benchmarks/results/compile.json")
+    args = parser.parse_args()
+    args.systems = [s for s in args.systems.split(",") if s]
+    unknown = sorted(set(args.systems) - set(SYSTEMS))
+    if unknown:
+        parser.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
+    args.layers = [int(n) for n in args.layers.split(",") if n]
+    return args
+
+
+def main() -> None:
+    import json
+
+    args = parse_args()
+    started = time.perf_counter()
+    rank, world_size, device = init_distributed()
+    torch._inductor.config.force_disable_caches = True  # every inductor compile from scratch
+    options = json.loads(args.options) if args.options else None
+    rows, per_pass, raw = [], {}, {}
+    # One small untimed compile per system first: the process's one-time costs (imports,
+    # Dynamo and AOTAutograd set-up) fall on no system's figure.
+    warm = GPT(GPTConfig(vocab_size=args.vocab, block_size=8, n_layer=1, n_head=args.heads, n_embd=args.width))
+    warm_tokens = torch.randint(0, args.vocab, (1, 9)).to(device)
+    for system in args.systems:
+        first_step_seconds(system, warm.to(device), (warm_tokens[:, :-1], warm_tokens[:, 1:]), options)
+    for layers in args.layers:
+        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=args.heads,
+                        n_embd=args.width)
+        torch.manual_seed(0)
+        reference = GPT(cfg).to(device)
+        generator = torch.Generator().manual_seed(1 + rank)
+        tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=generator).to(device)
+        batch = (tokens[:, :-1], tokens[:, 1:])
+        times: dict[str, list[float]] = {system: [] for system in args.systems}
+        passes: list[dict[str, float]] = []
+        for repeat in range(args.repeats):
+            for system in args.systems:
+                seconds, pass_seconds = first_step_seconds(system, reference, batch, options)
+                times[system].append(seconds)
+                if system == "compshard":
+                    passes.append(pass_seconds)
+                progress(f"{layers} layers, {system}, repeat {repeat + 1}/{args.repeats}: {seconds:.2f} s")
+        raw[layers] = times
+        medians = {system: statistics.median(values) for system, values in times.items()}
+        for system in args.systems:
+            ratio = medians[system] / medians["aot_eager"] if "aot_eager" in medians else None
+            rows.append([layers, system, f"{medians[system]:.2f}", f"{ratio:.2f}" if ratio else ""])
+        if passes:
+            per_pass[layers] = {name: statistics.median(p.get(name, 0.0) for p in passes)
+                                for name in dict.fromkeys(n for p in passes for n in p)}
+    if rank == 0:
+        print(f"first step incl. compilation, world size {world_size}, GPT width {args.width}, "
+              f"seq {args.seq}, batch {args.batch} per rank, median of {args.repeats}")
+        print(tabulate(rows, headers=["layers", "system", "seconds", "vs aot_eager"]))
+        if per_pass:
+            names = list(dict.fromkeys(n for p in per_pass.values() for n in p))
+            table = [[name, *(f"{per_pass[layers].get(name, 0.0):.3f}" for layers in per_pass)] for name in names]
+            table.append(["all passes", *(f"{sum(p.values()):.3f}" for p in per_pass.values())])
+            print("\ncompshard seconds per pass (summed over its graphs), median")
+            print(tabulate(table, headers=["pass", *(f"{layers} layers" for layers in per_pass)]))
+        write_results(Path(args.out), device, vars(args), started, rows, per_pass=per_pass, raw=raw)
+
+
+if __name__ == "__main__":
+    main()
+    dist.destroy_process_group()

@@ -1,0 +1,174 @@
+"""Compile-time behaviour: how often compshard compiles, and that its fast estimates
+are the ones it replaced.
+
+- Dynamic shapes: a sharded GPT run at sequence lengths 16, 24, 32, 40 compiles at most
+  twice with default options (the second graph is dynamic, as with plain torch.compile),
+  once with ``dynamic=True`` and once with the batch and sequence dims marked dynamic;
+  the dynamic graph's loss equals the unsharded eager model's. Estimates read size
+  hints; a guard on a size would make every new length compile again.
+- Coalescing prices each candidate plan from one lowered copy of the graph
+  (``_PeakModel``); every price equals the peak of a copy lowered with that plan.
+- ``compshard.inspect`` reports the seconds of every pass.
+- World size 1: a ``torch.utils.checkpoint`` region inside a compiled sharded module trains.
+
+One world-size-2 spawn runs the distributed checks; the tests read its results.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+import compshard
+from compshard import backend
+from compshard.models import GPT, GPTConfig
+from tests.distributed import run_distributed
+
+WORLD_SIZE = 2
+LENGTHS = (16, 24, 32, 40)
+GPT_CONFIG = GPTConfig(vocab_size=64, block_size=48, n_layer=2, n_head=4, n_embd=32)
+
+
+def _batch(length: int, rank: int, batch: int = 2) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 * length + rank)
+    tokens = torch.randint(0, GPT_CONFIG.vocab_size, (batch, length + 1), generator=generator)
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+def _compiles(dynamic, batches, mark: bool = False) -> dict:
+    """Train a sharded GPT on ``batches`` in turn; count the forward graphs compiled and
+    compare the last loss with the unsharded eager model's (same weights, same batch)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = GPT(GPT_CONFIG)
+    model = compshard.shard(copy.deepcopy(reference))
+    compiled = torch.compile(model, backend="compshard", dynamic=dynamic)
+    captured: list = []
+    previous, backend._capture = backend._capture, captured
+    try:
+        for x, y in batches:
+            if mark:
+                torch._dynamo.mark_dynamic(x, 0)
+                torch._dynamo.mark_dynamic(x, 1)
+                torch._dynamo.mark_dynamic(y, 0)
+                torch._dynamo.mark_dynamic(y, 1)
+            loss = compiled(x, y)
+            loss.backward()
+    finally:
+        backend._capture = previous
+    with torch.no_grad():
+        expected = reference(*batches[-1])
+    return {"forward_graphs": sum(g.kind == "forward" for g in captured), "loss": loss.item(),
+            "expected": expected.item()}
+
+
+def _peak_model_matches_lowering() -> dict:
+    """Every coalescing trial priced both ways (buckets "none": one trial per parameter)."""
+    coalesce = importlib.import_module("compshard.passes.coalesce_collectives")
+    built, prices = [], []
+    original_build, original_peak = coalesce._PeakModel.build, coalesce._PeakModel.peak
+
+    def build(graph, ctx, plan):
+        model = original_build(graph, ctx, plan)
+        built.append(model is not None)
+        if model is not None:
+            model.trial_inputs = (graph, ctx)
+        return model
+
+    def peak(self, plan):
+        fast = original_peak(self, plan)
+        prices.append((fast, coalesce._estimated_peak(*self.trial_inputs, plan)))
+        return fast
+
+    coalesce._PeakModel.build, coalesce._PeakModel.peak = staticmethod(build), peak
+    try:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = compshard.shard(GPT(GPT_CONFIG))
+        report = compshard.inspect(model, *_batch(16, 0), options={"buckets": "none"})
+    finally:
+        coalesce._PeakModel.build, coalesce._PeakModel.peak = original_build, original_peak
+    return {"built": built, "prices": prices, "pass_seconds": report.pass_seconds,
+            "coalesced": sum("+" in (c["bucket"] or "") for c in report.collectives)}
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    lengths = [_batch(length, rank) for length in LENGTHS]
+    return {
+        "default": _compiles(None, lengths),
+        "dynamic": _compiles(True, lengths),
+        "marked": _compiles(None, [_batch(16, rank, 2), _batch(24, rank, 3), _batch(40, rank, 4)], mark=True),
+        "coalesce": _peak_model_matches_lowering(),
+    }
+
+
+@pytest.fixture(scope="module")
+def results() -> list[dict]:
+    return run_distributed(_worker, WORLD_SIZE, timeout=600)
+
+
+@pytest.mark.parametrize("case, most", [("default", 2), ("dynamic", 1), ("marked", 1)])
+def test_new_lengths_do_not_recompile(results, case, most):
+    for rank_results in results:
+        got = rank_results[case]
+        assert got["forward_graphs"] <= most, f"{case}: {got['forward_graphs']} compiles for {LENGTHS}"
+        assert got["loss"] == pytest.approx(got["expected"], rel=1e-5, abs=1e-6)
+
+
+def test_coalescing_prices_equal_lowered_copies(results):
+    for rank_results in results:
+        got = rank_results["coalesce"]
+        assert got["built"] and all(got["built"]), "the one-copy model fell back to lowering copies"
+        assert len(got["prices"]) > 10
+        assert [fast for fast, _ in got["prices"]] == [lowered for _, lowered in got["prices"]]
+        assert got["coalesced"] > 0  # some join was taken, so the comparison covered joined plans
+
+
+def test_inspect_reports_seconds_per_pass(results):
+    seconds = results[0]["coalesce"]["pass_seconds"]
+    assert {"dynamo", "joint", "forward", "backward"} <= set(seconds)
+    assert list(seconds["forward"])[0] == "coalesce_collectives"
+    assert all(value >= 0 for graph in seconds.values() for value in graph.values())
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)) for _ in range(2))
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.inp(x)
+        for block in self.blocks:
+            h = h + checkpoint(block, h, use_reentrant=False)
+        return F.mse_loss(self.out(h), y)
+
+
+def test_checkpoint_region_trains_at_world_size_one():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    reference = _Checkpointed()
+    model = compshard.shard(copy.deepcopy(reference))
+    compiled = torch.compile(model, backend="compshard")
+    optimizers = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (reference, model)]
+    for step in range(3):
+        x, y = torch.randn(5 + step, 8), torch.randn(5 + step, 1)  # a new batch size each step
+        losses = []
+        for module, opt in zip((reference, compiled), optimizers):
+            loss = module(x, y)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.item())
+        assert losses[1] == pytest.approx(losses[0], rel=1e-5)
+    for param, expected in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+
+
