@@ -32,24 +32,17 @@ from compshard.cost_model import costs_for, node_seconds
 from compshard.ops import ReduceGradArgs, UnshardArgs, resolve_group
 from compshard.passes.check_schedule import STORE_TIMEOUT, ScheduleError
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import compshard_ops, is_op, is_view
+from compshard.passes.fx_utils import compshard_ops, is_op, is_view, size_hint
 
 _ORIGINAL_VAL = "compshard_original_val"
 AGREED_SECONDS = "compshard_agreed_seconds"
 _exchanges: dict[str, int] = {}  # per process group: shape exchanges so far (the same on every rank)
 
 
-def _hint(size: Any) -> int:
-    if isinstance(size, torch.SymInt):
-        hint = size.node.hint
-        return int(hint) if hint is not None else int(size.node.shape_env.size_hint(size.node.expr))
-    return int(size)
-
-
 def _shapes(val: Any) -> list[tuple[int, ...]] | None:
     """Shapes (size hints) of the tensors in ``val``, flattened; None if it holds none."""
     tensors = [t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
-    return [tuple(_hint(s) for s in t.shape) for t in tensors] if tensors else None
+    return [tuple(size_hint(s) for s in t.shape) for t in tensors] if tensors else None
 
 
 def _group(graph: fx.Graph) -> str:
