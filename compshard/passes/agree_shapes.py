@@ -21,7 +21,6 @@ executor and Inductor see this rank's shapes.
 
 from __future__ import annotations
 
-import pickle
 from typing import Any
 
 import torch
@@ -30,13 +29,12 @@ from torch import fx
 
 from compshard.cost_model import costs_for, node_seconds
 from compshard.ops import ReduceGradArgs, UnshardArgs, resolve_group
-from compshard.passes.check_schedule import STORE_TIMEOUT, ScheduleError
+from compshard.passes.check_schedule import exchange_across_ranks
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import compshard_ops, is_op, is_view, size_hint
 
 _ORIGINAL_VAL = "compshard_original_val"
 AGREED_SECONDS = "compshard_agreed_seconds"
-_exchanges: dict[str, int] = {}  # per process group: shape exchanges so far (the same on every rank)
 
 
 def _shapes(val: Any) -> list[tuple[int, ...]] | None:
@@ -52,23 +50,6 @@ def _group(graph: fx.Graph) -> str:
         if is_op(node, compshard_ops.reduce_grad.default):
             return ReduceGradArgs(*node.args).group_name
     return ""
-
-
-def _exchange(facts: Any, group_name: str) -> list:
-    group = resolve_group(group_name)
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    sequence = _exchanges[group_name] = _exchanges.get(group_name, 0) + 1
-    store = dist.PrefixStore(f"compshard-shapes/{group_name}/{sequence}/", dist.distributed_c10d._get_default_store())
-    store.set(str(rank), pickle.dumps(facts))
-    keys = [str(r) for r in range(world_size)]
-    try:
-        store.wait(keys, STORE_TIMEOUT)
-    except Exception as error:  # noqa: BLE001 - re-raised with what it means here
-        raise ScheduleError(
-            f"compshard: rank {rank} compiled a graph with collectives (#{sequence} on this process group) that "
-            f"some rank did not compile within {STORE_TIMEOUT}: every rank must compile the same graphs (when "
-            "only some ranks' input shapes change, compile with dynamic=True)") from error
-    return [pickle.loads(store.get(key)) for key in keys]
 
 
 def _agreed(everyone: list[list]) -> list | None:
@@ -127,7 +108,7 @@ def agree_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
     shapes = [_shapes(node.meta.get("val")) for node in nodes]
     costs = costs_for(group_name)
     seconds = [node_seconds(node, costs) for node in nodes]
-    everyone = _exchange((shapes, seconds), group_name)
+    _, everyone = exchange_across_ranks("compshard-shapes", group_name, (shapes, seconds), "a graph with collectives")
     agreed = _agreed([rank_shapes for rank_shapes, _ in everyone])
     if agreed is None:
         return

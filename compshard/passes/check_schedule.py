@@ -108,30 +108,40 @@ def _check_inflight(graph: fx.Graph, ctx: PassContext) -> None:
 
 
 STORE_TIMEOUT = datetime.timedelta(seconds=300)
-_compiles: dict[str, int] = {}  # per process group: schedules compared so far (the same on every rank)
+_exchanges: dict[str, int] = {}  # per namespace and process group: exchanges so far (the same on every rank)
 
 
-def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContext) -> None:
-    """Exchange the schedules through the process group's c10d store, not a collective:
-    compiling runs under dispatch modes and locks with which a gloo collective can
-    deadlock, while store reads and writes cannot. A rank that never publishes a
-    matching schedule is an error after ``STORE_TIMEOUT``, not a hang."""
+def exchange_across_ranks(namespace: str, group_name: str, value: object, what: str) -> tuple[int, list]:
+    """Every rank's ``value`` (by group rank), and this exchange's number in ``namespace``.
+
+    Goes through the process group's c10d store, not a collective: compiling runs under
+    dispatch modes and locks with which a gloo collective can deadlock, while store reads
+    and writes cannot. A rank that never publishes is a ``ScheduleError`` after
+    ``STORE_TIMEOUT`` naming ``what`` this rank compiled, not a hang."""
     from compshard.ops import resolve_group
 
     group = resolve_group(group_name)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    sequence = _compiles[group_name] = _compiles.get(group_name, 0) + 1
-    store = dist.PrefixStore(f"compshard/{group_name}/{sequence}/", dist.distributed_c10d._get_default_store())
-    store.set(str(rank), pickle.dumps((ctx.graph, entries)))
+    key = f"{namespace}/{group_name}"
+    sequence = _exchanges[key] = _exchanges.get(key, 0) + 1
+    store = dist.PrefixStore(f"{key}/{sequence}/", dist.distributed_c10d._get_default_store())
+    store.set(str(rank), pickle.dumps(value))
     keys = [str(r) for r in range(world_size)]
     try:
         store.wait(keys, STORE_TIMEOUT)
     except Exception as error:  # noqa: BLE001 - re-raised with what it means here
         raise ScheduleError(
-            f"compshard: rank {rank} compiled a {ctx.graph} schedule (#{sequence} on this process group) that "
-            f"some rank did not compile within {STORE_TIMEOUT}: every rank must compile the same graphs"
+            f"compshard: rank {rank} compiled {what} (#{sequence} on this process group) that some rank did not "
+            f"compile within {STORE_TIMEOUT}: every rank must compile the same graphs (when only some ranks' "
+            "input shapes change, compile with dynamic=True)"
         ) from error
-    everyone = [pickle.loads(store.get(key)) for key in keys]
+    return sequence, [pickle.loads(store.get(key)) for key in keys]
+
+
+def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContext) -> None:
+    """Compare this graph's schedule with every rank's; a difference names the first differing node."""
+    sequence, everyone = exchange_across_ranks("compshard", group_name, (ctx.graph, entries),
+                                               f"a {ctx.graph} schedule")
     reference = everyone[0][1]
     for other_rank, (graph, other) in enumerate(everyone):
         if graph != ctx.graph:
