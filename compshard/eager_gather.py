@@ -28,6 +28,7 @@ reductions differ.
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -46,6 +47,7 @@ class _Pending:
     reduce_args: tuple  # compshard::reduce_grad's arguments after the gradient
     grad: torch.Tensor | None = None
     ready: bool = False  # autograd has produced its whole gradient
+    node: Callable[[], Any] = lambda: None  # weak reference to the gather's autograd node
 
 
 @dataclass
@@ -67,11 +69,15 @@ class EagerReductions:
             self.next -= 1
 
     def finish(self) -> None:
-        """End of backward: reduce the gradients still waiting, in the same order; drop the rest."""
+        """End of backward: reduce the gradients still waiting, in the same order. Gathers
+        whose gradient has not come stay pending while their autograd node lives (the
+        forward of a later micro-batch, whose backward runs later under a pipeline
+        schedule); those whose graph is gone are dropped."""
         for index in range(self.next, -1, -1):
             if self.pending[index].ready:
                 self._reduce(self.pending[index])
-        self.pending, self.next = [], None
+        self.pending = [item for item in self.pending if not item.ready and item.node() is not None]
+        self.next = None
 
     @staticmethod
     def _reduce(item: _Pending) -> None:
@@ -98,6 +104,7 @@ class _DeferredGather(torch.autograd.Function):
     def forward(ctx: Any, shard: torch.Tensor, reductions: EagerReductions, item: _Pending,
                 unshard_args: tuple) -> torch.Tensor:
         ctx.reductions, ctx.item = reductions, item
+        item.node = weakref.ref(ctx)
         return torch.ops.compshard.unshard(shard, *unshard_args)
 
     @staticmethod
@@ -149,7 +156,10 @@ def install_call_scope(module: nn.Module, unshard: Callable[[nn.Module, str], to
 
 def read(module: nn.Module, name: str, unshard: Callable[[nn.Module, str], torch.Tensor]) -> torch.Tensor:
     """``module.<name>``: the tensor gathered on entry to the current call, or gathered now
-    (a read outside a call of ``module``, e.g. by another module)."""
-    if module._compshard_calls:
-        return module._compshard_calls[-1][name]
+    (a read outside a call of ``module``, e.g. by another module, or a read of the root's
+    own parameters: ``shard`` gives the root module no call scope, since its hooks would
+    run outside its compiled forward as graphs of their own)."""
+    calls = getattr(module, "_compshard_calls", None)
+    if calls:
+        return calls[-1][name]
     return unshard(module, name)

@@ -6,11 +6,12 @@ module whose docstring states what holds before and after it.
   dynamo graph   dedupe_unshard
   joint graph    drop_redundant_clones, assign_buckets, tag_gathered_params, recompute,
                  then the min-cut partitioner
-  forward        agree_shapes, coalesce_collectives, lower_unshard, estimate_costs,
-                 prefetch, insert_free, estimate_memory, check_schedule, restore_shapes
+  forward        agree_shapes, coalesce_collectives, lower_unshard, agree_lowered_shapes,
+                 estimate_costs, prefetch, insert_free, estimate_memory, check_schedule,
+                 restore_shapes
   backward       agree_shapes, coalesce_collectives, lower_unshard, lower_reduce_grad,
-                 estimate_costs, prefetch, bound_reduce_scatters, insert_free,
-                 estimate_memory, check_schedule, restore_shapes
+                 agree_lowered_shapes, estimate_costs, prefetch, bound_reduce_scatters,
+                 insert_free, estimate_memory, check_schedule, restore_shapes
   inference      drop_redundant_clones, assign_buckets (no joint graph is made for
                  inference), then as forward
 """
@@ -22,7 +23,7 @@ from typing import Callable, Sequence
 
 from torch import fx
 
-from compshard.passes.agree_shapes import agree_shapes, restore_shapes
+from compshard.passes.agree_shapes import agree_lowered_shapes, agree_shapes, restore_shapes
 from compshard.passes.assign_buckets import assign_buckets
 from compshard.passes.bound_reduce_scatters import bound_reduce_scatters
 from compshard.passes.check_schedule import ScheduleError, check_schedule
@@ -44,12 +45,14 @@ Pass = Callable[[fx.GraphModule, PassContext], None]
 PIPELINES: dict[str, Sequence[Pass]] = {
     "dynamo": (dedupe_unshard,),
     "joint": (drop_redundant_clones, assign_buckets, tag_gathered_params, recompute),
-    "forward": (agree_shapes, coalesce_collectives, lower_unshard, estimate_costs, prefetch, insert_free, estimate_memory,
-                check_schedule, restore_shapes),
-    "backward": (agree_shapes, coalesce_collectives, lower_unshard, lower_reduce_grad, estimate_costs, prefetch,
-                 bound_reduce_scatters, insert_free, estimate_memory, check_schedule, restore_shapes),
-    "inference": (drop_redundant_clones, assign_buckets, agree_shapes, coalesce_collectives, lower_unshard, estimate_costs,
-                  prefetch, insert_free, estimate_memory, check_schedule, restore_shapes),
+    "forward": (agree_shapes, coalesce_collectives, lower_unshard, agree_lowered_shapes, estimate_costs, prefetch,
+                insert_free, estimate_memory, check_schedule, restore_shapes),
+    "backward": (agree_shapes, coalesce_collectives, lower_unshard, lower_reduce_grad, agree_lowered_shapes,
+                 estimate_costs, prefetch, bound_reduce_scatters, insert_free, estimate_memory, check_schedule,
+                 restore_shapes),
+    "inference": (drop_redundant_clones, assign_buckets, agree_shapes, coalesce_collectives, lower_unshard,
+                  agree_lowered_shapes, estimate_costs, prefetch, insert_free, estimate_memory, check_schedule,
+                  restore_shapes),
 }
 
 

@@ -15,6 +15,10 @@ tensor of that shape for the memory estimates, and every node gets the largest o
 ranks' seconds (``meta["compshard_agreed_seconds"]``, which ``estimate_costs`` takes), so
 every rank estimates, and so decides, alike. Otherwise nothing changes (the schedule
 check then reports any difference).
+A rank's own rows (parameter shards, local gradients) differ in shape between ranks by
+design; the lowering builds on them, so they keep their values until it is done, and
+``agree_lowered_shapes`` then agrees on them too (with the nodes the lowering added)
+before the estimates that prefetch and the bounds decide from.
 After (``restore_shapes``, the last pass): the original fake tensors are back, so the
 executor and Inductor see this rank's shapes.
 """
@@ -31,7 +35,7 @@ from compshard.cost_model import costs_for, node_seconds
 from compshard.ops import ReduceGradArgs, UnshardArgs, resolve_group
 from compshard.passes.check_schedule import exchange_across_ranks
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import compshard_ops, is_op, is_view, size_hint
+from compshard.passes.fx_utils import collective_group, compshard_ops, is_op, is_view, size_hint
 
 _ORIGINAL_VAL = "compshard_original_val"
 AGREED_SECONDS = "compshard_agreed_seconds"
@@ -100,8 +104,8 @@ def _local_shard_nodes(graph: fx.Graph) -> set[fx.Node]:
     return local
 
 
-def agree_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
-    group_name = _group(gm.graph)
+def _agree(gm: fx.GraphModule, keep_local: bool) -> None:
+    group_name = _group(gm.graph) or collective_group(gm.graph) or ""
     if not (group_name and dist.is_initialized() and dist.get_world_size(resolve_group(group_name)) > 1):
         return
     nodes = list(gm.graph.nodes)
@@ -114,13 +118,24 @@ def agree_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
         return
     for node, *per_rank in zip(nodes, *(rank_seconds for _, rank_seconds in everyone)):
         node.meta[AGREED_SECONDS] = max(per_rank)
-    local = _local_shard_nodes(gm.graph)
+    local = _local_shard_nodes(gm.graph) if keep_local else set()
     for node, own, target in zip(nodes, shapes, agreed):
         if own is not None and own != target and node not in local and all(hasattr(t, "fake_mode") for t in
                                                      torch.utils._pytree.tree_leaves(node.meta["val"])
                                                      if isinstance(t, torch.Tensor)):
-            node.meta[_ORIGINAL_VAL] = node.meta["val"]
+            node.meta.setdefault(_ORIGINAL_VAL, node.meta["val"])
             node.meta["val"] = _stand_in(node.meta["val"], target)
+
+
+def agree_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """Before lowering: agree on every node but a rank's own rows (the lowering reads them)."""
+    _agree(gm, keep_local=True)
+
+
+def agree_lowered_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
+    """After lowering, before the estimates that prefetch and the bounds decide from: agree
+    on every node, a rank's own rows (shards, packed and local gradients) included."""
+    _agree(gm, keep_local=False)
 
 
 def restore_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:

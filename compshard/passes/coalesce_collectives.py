@@ -40,10 +40,12 @@ import itertools
 import operator
 from dataclasses import dataclass, field
 
+import torch.distributed as dist
 from torch import fx
 
-from compshard.ops import ReduceGradArgs, UnshardArgs
+from compshard.ops import ReduceGradArgs, UnshardArgs, group_size
 from compshard.passes.assign_buckets import Bucket, members_by_bucket
+from compshard.passes.check_schedule import exchange_across_ranks
 from compshard.passes.context import PassContext
 from compshard.passes.estimate_memory import backend_scratch_bytes, live_bytes, storages
 from compshard.passes.fx_utils import (
@@ -295,4 +297,15 @@ def coalesce_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
                     continue
             collectives.append([pair])
         plan[kind] = _names(collectives)
-    ctx.notes["coalesced"] = plan
+    first_marker = next(markers[0] for pairs in buckets.values() for _, markers in pairs)
+    ctx.notes["coalesced"] = _first_ranks_plan(plan, _key(first_marker)[0])
+
+
+def _first_ranks_plan(plan: dict[str, list[list[str]]], group_name: str) -> dict[str, list[list[str]]]:
+    """Every rank takes the first rank's plan: the peak estimates it was chosen by read a
+    rank's own rows (shards and local gradients differ in size between ranks), so two
+    ranks could otherwise join different buckets and issue different collectives."""
+    if not (group_name and dist.is_initialized() and group_size(group_name) > 1):
+        return plan
+    _, everyone = exchange_across_ranks("compshard-coalesce", group_name, plan, "a coalescing plan")
+    return everyone[0]
