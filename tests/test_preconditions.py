@@ -73,17 +73,29 @@ class Experts(nn.Module):
         return (out + self.router(x).softmax(-1).sum(-1, keepdim=True)).pow(2).mean()
 
 
+class Routed(nn.Module):
+    """The experts as a submodule (as in transformers' MoE blocks): the module ``shard`` is
+    given reads its own parameters per access, a submodule once per call."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moe = Experts()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe(x)
+
+
 def _routing_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(rank)  # different parameters per rank: shard broadcasts rank 0's
-    model = Experts()
+    model = Routed()
     torch.manual_seed(0)
-    rank0_init = copy.deepcopy(Experts().state_dict())
+    rank0_init = copy.deepcopy(Routed().state_dict())
     torch.manual_seed(1)
     data = torch.randn(world_size, 6, 8) * 3
     results = {}
     for compiled in (False, True):
         torch.manual_seed(rank)
-        sharded = compshard.shard(Experts())
+        sharded = compshard.shard(Routed())
         step = torch.compile(sharded, backend="compshard") if compiled else sharded
         opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
         for _ in range(3):
@@ -91,15 +103,15 @@ def _routing_worker(rank: int, world_size: int) -> dict:
             opt.step()
             opt.zero_grad()
         results[compiled] = compshard.full_state_dict(sharded)
-    reference = Experts()
+    reference = Routed()
     reference.load_state_dict(rank0_init)
     ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
     for _ in range(3):  # the mean over ranks of per-rank means: each rank's loss weighs the same
         (sum(reference(d) for d in data) / world_size).backward()
         ref_opt.step()
         ref_opt.zero_grad()
-    experts_hit = len(reference.router(data[rank]).argmax(-1).unique())
-    return {"experts_hit": experts_hit, "initial_from_rank0": torch.equal(model.weight, rank0_init["weight"]),
+    experts_hit = len(reference.moe.router(data[rank]).argmax(-1).unique())
+    return {"experts_hit": experts_hit, "initial_from_rank0": torch.equal(model.moe.weight, rank0_init["moe.weight"]),
             **{f"{'compiled' if c else 'eager'}_{key}": relative_error(value, reference.state_dict()[key])
                for c, state in results.items() for key, value in state.items()}}
 
