@@ -8,17 +8,16 @@ issues elsewhere.
 
 Before (``agree_shapes``): each node's ``meta["val"]`` holds this rank's fake tensors.
 The ranks exchange the shapes of every node's tensors (size hints, so no guard is
-installed) and its estimated seconds through the process group's c10d store, as the
-schedule check does. When the graphs have the same nodes with tensors of the same ranks,
-every tensor whose shape is not the elementwise maximum over ranks gets a stand-in fake
-tensor of that shape for the memory estimates, and every node gets the largest of the
-ranks' seconds (``meta["compshard_agreed_seconds"]``, which ``estimate_costs`` takes), so
-every rank estimates, and so decides, alike. Otherwise nothing changes (the schedule
-check then reports any difference).
+installed) through the process group's c10d store, as the schedule check does. When the
+graphs have the same nodes with tensors of the same ranks, every tensor whose shape is
+not the elementwise maximum over ranks gets a stand-in fake tensor of that shape for the
+memory estimates, so every rank estimates, and so decides, alike. Otherwise nothing
+changes (the schedule check then reports any difference).
 A rank's own rows (parameter shards, local gradients) differ in shape between ranks by
 design; the lowering builds on them, so they keep their values until it is done, and
-``agree_lowered_shapes`` then agrees on them too (with the nodes the lowering added)
-before the estimates that prefetch and the bounds decide from.
+``agree_lowered_shapes`` then agrees on them too (with the nodes the lowering added),
+and on each node's estimated seconds: every node gets the largest of the ranks'
+(``meta["compshard_agreed_seconds"]``, which ``estimate_costs`` takes).
 After (``restore_shapes``, the last pass): the original fake tensors are back, so the
 executor and Inductor see this rank's shapes.
 """
@@ -110,20 +109,21 @@ def _agree(gm: fx.GraphModule, keep_local: bool) -> None:
         return
     nodes = list(gm.graph.nodes)
     shapes = [_shapes(node.meta.get("val")) for node in nodes]
-    costs = costs_for(group_name)
-    seconds = [node_seconds(node, costs) for node in nodes]
+    # Seconds only once lowered: nothing before estimate_costs reads them, and it runs after.
+    seconds = None if keep_local else [node_seconds(node, costs_for(group_name)) for node in nodes]
     _, everyone = exchange_across_ranks("compshard-shapes", group_name, (shapes, seconds), "a graph with collectives")
     agreed = _agreed([rank_shapes for rank_shapes, _ in everyone])
     if agreed is None:
         return
-    for node, *per_rank in zip(nodes, *(rank_seconds for _, rank_seconds in everyone)):
-        node.meta[AGREED_SECONDS] = max(per_rank)
+    if seconds is not None:
+        for node, *per_rank in zip(nodes, *(rank_seconds for _, rank_seconds in everyone)):
+            node.meta[AGREED_SECONDS] = max(per_rank)
     local = _local_shard_nodes(gm.graph) if keep_local else set()
     for node, own, target in zip(nodes, shapes, agreed):
         if own is not None and own != target and node not in local and all(hasattr(t, "fake_mode") for t in
                                                      torch.utils._pytree.tree_leaves(node.meta["val"])
                                                      if isinstance(t, torch.Tensor)):
-            node.meta.setdefault(_ORIGINAL_VAL, node.meta["val"])
+            node.meta[_ORIGINAL_VAL] = node.meta["val"]
             node.meta["val"] = _stand_in(node.meta["val"], target)
 
 
@@ -134,7 +134,10 @@ def agree_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
 
 def agree_lowered_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
     """After lowering, before the estimates that prefetch and the bounds decide from: agree
-    on every node, a rank's own rows (shards, packed and local gradients) included."""
+    on every node, a rank's own rows (shards, packed and local gradients) included. The
+    first agreement's stand-ins are undone first, so the seconds are estimated on this
+    rank's own tensors (an op rerun on stand-ins can disagree with its shape arguments)."""
+    restore_shapes(gm, ctx)
     _agree(gm, keep_local=False)
 
 
