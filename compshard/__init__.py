@@ -18,6 +18,7 @@ from compshard.grad_sync import no_sync, set_requires_gradient_sync
 from compshard.options import CompileOptions
 from compshard.passes import ScheduleError
 from compshard.pipeline import Pipeline, PipelineReport, pipeline
+from compshard.plan import PlanReport, plan
 from compshard.report import Report, inspect
 from compshard.sharding import ShardingConfig, full_state_dict, shard, sharding_config
 
@@ -28,4 +29,4 @@ if "compshard" not in torch._dynamo.list_backends(exclude_tags=()):
 
 __all__ = ["__version__", "shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError",
            "compshard_backend", "pipeline", "Pipeline", "PipelineReport", "checkpoint", "clip_grad_norm_",
-           "no_sync", "set_requires_gradient_sync", "sharding_config", "ShardingConfig"]
+           "no_sync", "set_requires_gradient_sync", "sharding_config", "ShardingConfig", "plan", "PlanReport"]

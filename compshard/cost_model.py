@@ -10,21 +10,30 @@ rank calls it at the same point, outside any compilation): a few timed all-gathe
 sizes (alpha, beta), a timed matmul (FLOP rate) and a timed tiny op (per-node cost). Every rank takes the slowest rank's
 figures (all-reduce MAX), so all ranks decide from the same numbers and build the same
 schedule; compiling issues no calibration collective. Without a process group (or
-before calibration) defaults are used. The constants are plain data (:class:`Costs`).
+before calibration) defaults are used. The constants are plain data (:class:`Costs`);
+``assumed`` sets groups' constants without measuring (``compshard.plan`` gives its
+simulated groups those of the hardware it plans for).
+
+Collectives: ``beta`` is per byte of the full buffer (an all-gather's output, a
+reduce-scatter's input), as a ring moves it; an all-reduce is a reduce-scatter and an
+all-gather of its buffer, so it costs twice an all-gather of the same bytes.
 """
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from dataclasses import dataclass
+from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
-__all__ = ["Costs", "calibrate", "costs_for", "collective_seconds", "node_seconds"]
+__all__ = ["Costs", "Timer", "assumed", "calibrate", "costs_for", "collective_seconds", "measure_compute",
+           "measure_costs", "median_seconds", "node_seconds"]
 
 
 @dataclass(frozen=True)
@@ -39,7 +48,11 @@ class Costs:
 _calibrated: dict[str, Costs] = {}
 
 
-def _median_seconds(fn, repeats: int) -> float:
+Timer = Callable[[Callable[[], object], int], float]  # (fn, repeats) -> seconds per call of fn
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    """The median of ``repeats`` timed calls (calibration's timer)."""
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
@@ -48,13 +61,27 @@ def _median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def calibrate(group_name: str, device: torch.device) -> Costs:
-    """Measure this group's link and this machine's FLOP rate once; agree across ranks."""
-    if group_name in _calibrated:
-        return _calibrated[group_name]
-    from compshard.ops import resolve_group
+def measure_compute(device: torch.device, timer: Timer = median_seconds) -> tuple[float, float]:
+    """This process's (FLOP/s of a 256x256 matmul, seconds per tiny op)."""
+    with torch.no_grad():
+        a = torch.randn(256, 256, device=device)
 
-    group = resolve_group(group_name)
+        def matmul() -> None:
+            a @ a
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+
+        matmul()
+        t_matmul = timer(matmul, 5)
+        one = torch.ones(8, device=device)
+        t_op = timer(lambda: [torch.ops.aten.add.Tensor(one, one) for _ in range(100)], 5) / 100
+    return 2 * 256**3 / max(t_matmul, 1e-9), t_op
+
+
+def measure_costs(group: dist.ProcessGroup, device: torch.device, timer: Timer = median_seconds) -> Costs:
+    """Time all-gathers of two sizes on ``group`` (alpha, beta), a matmul (FLOP rate) and a
+    tiny op (per-node cost) with ``timer``; every rank takes the slowest rank's figures.
+    Collective: every rank of ``group`` calls it."""
     world_size = dist.get_world_size(group)
     with torch.no_grad():
         small, large = torch.zeros(256, device=device), torch.zeros(1 << 18, device=device)
@@ -65,27 +92,41 @@ def calibrate(group_name: str, device: torch.device) -> Costs:
                 torch.cuda.synchronize()
 
         gather(large)  # warm up the connections
-        t_small, t_large = _median_seconds(lambda: gather(small), 5), _median_seconds(lambda: gather(large), 3)
-        a = torch.randn(256, 256, device=device)
-
-        def matmul() -> None:
-            a @ a
-            if device.type == "cuda":
-                torch.cuda.synchronize()
-
-        matmul()
-        t_matmul = _median_seconds(matmul, 5)
-        one = torch.ones(8, device=device)
-        t_op = _median_seconds(lambda: [torch.ops.aten.add.Tensor(one, one) for _ in range(100)], 5) / 100
-        measured = torch.tensor([t_small, t_large, t_matmul, t_op], dtype=torch.float64, device=device)
+        t_small, t_large = timer(lambda: gather(small), 5), timer(lambda: gather(large), 3)
+        flops_per_second, t_op = measure_compute(device, timer)
+        measured = torch.tensor([t_small, t_large, 1 / flops_per_second, t_op], dtype=torch.float64, device=device)
         dist.all_reduce(measured, op=dist.ReduceOp.MAX, group=group)
-        t_small, t_large, t_matmul, t_op = measured.tolist()
+        t_small, t_large, seconds_per_flop, t_op = measured.tolist()
     gathered_small, gathered_large = small.nbytes * world_size, large.nbytes * world_size
     beta = max((t_large - t_small) / (gathered_large - gathered_small), 1e-13)
     alpha = max(t_small - beta * gathered_small, 1e-7)
-    costs = Costs(alpha=alpha, beta=beta, flops_per_second=2 * 256**3 / max(t_matmul, 1e-9), node_overhead=t_op)
-    _calibrated[group_name] = costs
-    return costs
+    return Costs(alpha=alpha, beta=beta, flops_per_second=1 / seconds_per_flop, node_overhead=t_op)
+
+
+def calibrate(group_name: str, device: torch.device) -> Costs:
+    """Measure this group's link and this machine's FLOP rate once; agree across ranks."""
+    if group_name not in _calibrated:
+        from compshard.ops import resolve_group
+
+        _calibrated[group_name] = measure_costs(resolve_group(group_name), device)
+    return _calibrated[group_name]
+
+
+@contextlib.contextmanager
+def assumed(costs_by_group: dict[str, Costs]) -> Iterator[None]:
+    """Within: these groups' constants are the given ones, not measured (``compshard.plan``
+    gives its simulated process groups those of the hardware it plans for; ``calibrate``
+    returns them as they are). What was known before is back on exit."""
+    before = {name: _calibrated.get(name) for name in costs_by_group}
+    _calibrated.update(costs_by_group)
+    try:
+        yield
+    finally:
+        for name, costs in before.items():
+            if costs is None:
+                _calibrated.pop(name, None)
+            else:
+                _calibrated[name] = costs
 
 
 def costs_for(group_name: str) -> Costs:
@@ -93,8 +134,10 @@ def costs_for(group_name: str) -> Costs:
     return _calibrated.get(group_name, Costs())
 
 
-def collective_seconds(nbytes: int, costs: Costs) -> float:
-    return costs.alpha + nbytes * costs.beta
+def collective_seconds(nbytes: int, costs: Costs, kind: str = "all_gather") -> float:
+    """Seconds of one collective of ``kind`` moving ``nbytes`` (the full buffer)."""
+    phases = 2 if kind == "all_reduce" else 1
+    return phases * (costs.alpha + nbytes * costs.beta)
 
 
 _seconds_cache: dict[tuple, float] = {}
@@ -133,6 +176,26 @@ def node_seconds(node: fx.Node, costs: Costs) -> float:
     return seconds
 
 
+def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, dropout_p=0.0, is_causal=False, *args,
+                               out_shape=None, **kwargs) -> int:
+    """FLOPs of the CPU flash attention kernel (torch counts only the CUDA ones). A causal
+    mask skips the blocks above the diagonal: about half the scores."""
+    flops = sdpa_flop_count(query_shape, key_shape, value_shape)
+    return flops // 2 if is_causal else flops
+
+
+def _cpu_flash_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, out_shape_, lse_shape,
+                                        dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+    flops = sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
+    return flops // 2 if is_causal else flops
+
+
+_EXTRA_FLOP_FORMULAS = {
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu: _cpu_flash_attention_flops,
+    torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward: _cpu_flash_attention_backward_flops,
+}
+
+
 def _node_seconds(node: fx.Node, args, kwargs, costs: Costs) -> float:
     from compshard.passes.fx_utils import nbytes, size_hint  # the passes import this module
 
@@ -141,7 +204,7 @@ def _node_seconds(node: fx.Node, args, kwargs, costs: Costs) -> float:
     flops = 0
     if fake_mode is not None:
         try:
-            with fake_mode, FlopCounterMode(display=False) as counter:
+            with fake_mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
                 node.target(*args, **kwargs)
             flops = size_hint(counter.get_total_flops())
         except Exception:  # noqa: BLE001 - an op the fake mode cannot run again costs its bytes

@@ -107,6 +107,8 @@ def _agree(gm: fx.GraphModule, keep_local: bool) -> None:
     group_name = _group(gm.graph) or collective_group(gm.graph) or ""
     if not (group_name and dist.is_initialized() and dist.get_world_size(resolve_group(group_name)) > 1):
         return
+    if dist.get_backend(resolve_group(group_name)) == dist.Backend.FAKE:  # one process stands for every rank
+        return
     nodes = list(gm.graph.nodes)
     shapes = [_shapes(node.meta.get("val")) for node in nodes]
     # Seconds only once lowered: nothing before estimate_costs reads them, and it runs after.

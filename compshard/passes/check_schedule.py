@@ -117,13 +117,19 @@ def exchange_across_ranks(namespace: str, group_name: str, value: object, what: 
     Goes through the process group's c10d store, not a collective: compiling runs under
     dispatch modes and locks with which a gloo collective can deadlock, while store reads
     and writes cannot. A rank that never publishes is a ``ScheduleError`` after
-    ``STORE_TIMEOUT`` naming ``what`` this rank compiled, not a hang."""
+    ``STORE_TIMEOUT`` naming ``what`` this rank compiled, not a hang.
+
+    On a ``"fake"`` process group (``compshard.plan``: one process stands for rank 0 of
+    the world and has no store to exchange through) every rank's value is this rank's:
+    rank 0 holds the most rows of every parameter, so its shapes are the largest."""
     from compshard.ops import resolve_group
 
     group = resolve_group(group_name)
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
     key = f"{namespace}/{group_name}"
     sequence = _exchanges[key] = _exchanges.get(key, 0) + 1
+    if dist.get_backend(group) == dist.Backend.FAKE:
+        return sequence, [value] * world_size
     store = dist.PrefixStore(f"{key}/{sequence}/", dist.distributed_c10d._get_default_store())
     store.set(str(rank), pickle.dumps(value))
     keys = [str(r) for r in range(world_size)]

@@ -1,7 +1,9 @@
 """Analysis pass: estimated seconds of every node, from the cost model.
 
 Writes ``meta["compshard_seconds"]`` (compute nodes: FLOPs and bytes; collective starts:
-``alpha + bytes * beta``) and ``ctx.notes["costs"]``. The constants were calibrated
+``alpha + bytes * beta`` of the collective's own process group, twice for an all-reduce)
+and ``ctx.notes["costs"]`` (the constants of the graph's first group, which compute is
+estimated with). The constants were calibrated
 when the parameters were sharded and agreed across ranks (see ``cost_model``), so the
 decisions made from these estimates are the same on every rank.
 """
@@ -24,8 +26,8 @@ def estimate_costs(gm: fx.GraphModule, ctx: PassContext) -> None:
     ctx.notes["costs"] = costs
     for node in gm.graph.nodes:
         meta = node.meta.get(META_KEY)
-        if meta and meta["kind"] in COLLECTIVE_KINDS:
-            node.meta[SECONDS] = collective_seconds(meta["bytes"], costs)
+        if meta and meta["kind"] in COLLECTIVE_KINDS:  # a collective's last argument names its group
+            node.meta[SECONDS] = collective_seconds(meta["bytes"], costs_for(node.args[-1]), meta["kind"])
         elif meta and meta["kind"] == "wait":
             node.meta[SECONDS] = 0.0
         elif AGREED_SECONDS in node.meta:  # the ranks' largest estimate (see agree_shapes)

@@ -37,6 +37,11 @@ def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bo
     return node
 
 
+# Process groups that stand for groups of another backend (``compshard.plan`` simulates
+# groups on the "fake" backend): group name -> the backend whose scratch memory they model.
+SIMULATED_BACKENDS: dict[str, str] = {}
+
+
 def backend_scratch_bytes(start: fx.Node) -> int:
     """Bytes the process group's backend allocates for itself while the collective
     ``start`` runs, until its wait. Measured with the profiler's allocation events on
@@ -47,9 +52,11 @@ def backend_scratch_bytes(start: fx.Node) -> int:
     kind = schedule_kind(start)
     if kind not in ("all_gather", "reduce_scatter"):
         return 0
+    backend = SIMULATED_BACKENDS.get(start.args[-1])
     try:
-        group = _resolve_process_group(start.args[-1])
-        backend = group._get_backend(start.meta["val"].device).name()
+        if backend is None:
+            group = _resolve_process_group(start.args[-1])
+            backend = group._get_backend(start.meta["val"].device).name()
     except (RuntimeError, ValueError, KeyError, AttributeError):  # no such group here: nothing known
         return 0
     if backend != "gloo":

@@ -1,0 +1,115 @@
+"""compshard.plan against a measured run: predicted and measured step time and peak memory.
+
+    for n in 1 2 4; do torchrun --standalone --nproc-per-node $n benchmarks/bench_plan.py; done
+    torchrun --standalone --nproc-per-node 2 benchmarks/bench_plan.py --layers 8 --width 256
+
+The GPT of the other benchmarks (harness.make_workload) is trained with compshard
+(harness.train: warm-up steps, where compilation happens, then timed steps of forward,
+backward and AdamW step, ranks aligned by a barrier before each) and measured as
+bench_step measures it: the median step time (the largest per-rank median) and the
+per-rank peak bytes of CPU/GPU tensors of one forward and backward (bytes held at its
+start plus the largest rise of the allocator's allocations; the largest over ranks).
+Then rank 0 plans the same model, batch and options with ``compshard.plan(...,
+world_size=<this run's>, hardware=<measured>)``: the cost model's constants are the ones
+``compshard.shard`` calibrated on this process group for the measured run, so the plan
+schedules what the run scheduled. The table shows both and the error of the prediction
+((predicted - measured) / measured).
+
+The JSON file (--out) holds the configuration, the command, torch version, device, world
+size, the load average before and after, and every number: the measured step times and
+the prediction's parts (forward, backward, optimizer; memory by holder). On a shared CPU
+the step times are noisy; read them with the load average recorded beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from cli import add_workload_arguments, make_parser
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = make_parser(__doc__)
+    add_workload_arguments(parser, per="run")
+    parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="JSON file to write (default: benchmarks/results/plan_ws<world size>.json)")
+    args = parser.parse_args(argv)
+    if min(args.steps, args.warmup, args.batch, args.layers) < 1:
+        parser.error("--steps, --warmup, --batch and --layers must be at least 1")
+    try:
+        args.options = json.loads(args.options)
+        if not isinstance(args.options, dict):
+            raise ValueError(f"expected a JSON object, got {args.options!r}")
+    except ValueError as error:
+        parser.error(f"--options: {error}")
+    return args
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()  # before torch is imported: --help and a bad option answer at once
+
+import torch.distributed as dist  # noqa: E402
+from tabulate import tabulate  # noqa: E402
+
+import compshard  # noqa: E402
+from harness import mib, progress, start_workload, train, wrap_compshard, write_results  # noqa: E402
+
+PLAN_TIMEOUT = datetime.timedelta(minutes=30)  # the other ranks wait this long for rank 0's plan
+
+
+def error(predicted: float, measured: float) -> str:
+    return f"{(predicted - measured) / measured:+.1%}"
+
+
+def main(args: argparse.Namespace) -> None:
+    load_before = os.getloadavg()
+    rank, world_size, device, cfg, reference, batch = start_workload(args)
+    started = time.perf_counter()
+    results = train({"compshard": lambda model: wrap_compshard(model, **args.options)}, reference, batch,
+                    steps=args.steps, warmup=args.warmup, device=device)
+    result = results["compshard"]
+    per_rank: list = [None] * world_size
+    dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes))
+    measured_step = max(statistics.median(steps) for steps, _ in per_rank)
+    measured_peak = max(peak for _, peak in per_rank)
+    # The constants the measured run decided with (calibrated when it sharded the model).
+    machine = compshard.hardware.measure(device, world_size)
+    if rank == 0:
+        progress("planning ...")
+        plan_started = time.perf_counter()
+        report = compshard.plan(reference, *batch, world_size=world_size, hardware=machine, options=args.options)
+        plan_seconds = time.perf_counter() - plan_started
+        print(report)
+        step, memory = report.step, report.memory
+        row = {
+            "world_size": world_size,
+            "predicted_step_seconds": step.total, "measured_step_seconds": measured_step,
+            "predicted_peak_bytes": memory.peak, "measured_peak_bytes": measured_peak,
+            "predicted_step": asdict(step), "predicted_memory": asdict(memory),
+            "measured_step_seconds_per_rank": [steps for steps, _ in per_rank],
+            "measured_peak_bytes_per_rank": [peak for _, peak in per_rank],
+            "plan_seconds": plan_seconds, "costs": asdict(machine.costs),
+        }
+        print(tabulate([[world_size, f"{step.total * 1e3:.1f}", f"{measured_step * 1e3:.1f}",
+                         error(step.total, measured_step), mib(memory.peak), mib(measured_peak),
+                         error(memory.peak, measured_peak), f"{plan_seconds:.1f}"]],
+                       headers=["ranks", "predicted step ms", "measured step ms", "error", "predicted peak MiB",
+                                "measured peak MiB", "error", "plan s"]))
+        config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
+                  "options": args.options}
+        out = args.out or Path(__file__).resolve().parent / "results" / f"plan_ws{world_size}.json"
+        write_results(out, device, config, started, [row], load_average_before_after=[load_before, os.getloadavg()])
+    dist.monitored_barrier(timeout=PLAN_TIMEOUT)  # rank 0 was planning
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main(ARGS)

@@ -1,0 +1,611 @@
+"""``compshard.plan``: predict per-rank memory and step time at N ranks, without the ranks.
+
+How: a copy of the model whose parameters are fake tensors (shapes and dtypes, no
+storage) is sharded with ``compshard.shard`` over a ``"fake"`` process group (torch's
+``FakeProcessGroup``: this process is rank 0 of a world of N and nothing is sent), and
+compiled with the compshard backend through ``compshard.inspect``: the passes build the
+schedule they would build on rank 0 of N real ranks (rank 0 holds the most rows of every
+parameter), deciding with the cost model's constants for the chosen hardware
+(:mod:`compshard.hardware`). The prediction reads that schedule:
+
+- memory per rank: parameter shards and optimizer state at rest, plus the estimated bytes
+  live at the step's peak (``passes/estimate_memory.py``), split by what holds them:
+  activations, gathered parameters, gradients, collective buffers (gradients being
+  reduced, the backend's scratch);
+- step time: the estimated forward and backward timelines (one compute and one
+  communication stream, ``compshard.timeline``), whose length is the critical path
+  (compute plus the communication it waits for), plus the optimizer step (its bytes at
+  memory bandwidth, plus the machine's seconds per parameter tensor where its optimizer
+  loops over tensors: ``hardware="measured"`` times an AdamW step).
+
+Depth: compiling a deep model takes minutes (Dynamo, AOTAutograd and the partitioner
+trace every block). With ``depth="auto"`` a model whose blocks form a stack of at least
+``EXTRAPOLATE_FROM`` identical blocks (a ``ModuleList`` of one class with the same
+parameter shapes) is planned with its first 2 and first 3 blocks, and every estimate is
+extended linearly by the difference (one middle block: the first block starts the
+prefetch chain, the last stays gathered into backward), when nothing couples the blocks
+of the schedule: one bucket per block (``buckets="auto"``), a block's gathered bytes over
+``bucket_mb`` (so no collective joins two blocks), no global budget (``memory_budget_mb``,
+``recompute={"budget_mb": ...}``). Parameters and optimizer state come from the full
+model's shapes. ``depth="exact"`` compiles the whole model.
+
+What the prediction leaves out: the allocator's caching and fragmentation, the
+runtime's own buffers (CUDA context, NCCL), host-side launch overhead beyond the per-op
+constant, compute and communication slowing each other down, and anything outside the
+compiled graphs.
+
+Planning runs in this process when no process group is initialized (it creates and
+destroys its own fake one, and resets Dynamo's caches afterwards); otherwise in a spawned
+subprocess, which needs the model's class importable there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import math
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Callable, Iterator, Literal, Sequence
+
+import torch
+import torch.distributed as dist
+from tabulate import tabulate
+from torch import fx, nn
+
+from compshard import cost_model, hardware as hardware_presets
+from compshard.hardware import Hardware, Measured
+from compshard.ops import Layout
+from compshard.options import CompileOptions
+from compshard.passes.estimate_memory import SIMULATED_BACKENDS, backend_scratch_bytes, storages
+from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY, MB, nbytes, producer
+from compshard.report import Report, inspect
+from compshard.sharding import STRATEGIES
+
+__all__ = ["plan", "PlanReport", "MemoryEstimate", "StepEstimate", "default_candidates", "EXTRAPOLATE_FROM"]
+
+GiB = 2**30
+EXTRAPOLATE_FROM = 8  # depth="auto" extrapolates stacks of at least this many blocks
+Depth = Literal["auto", "exact", "extrapolate"]
+_SHARD_KEYWORDS = ("strategy", "reshard_after_forward", "param_dtype", "reduce_dtype", "output_dtype",
+                   "cast_forward_inputs", "buffer_dtype")
+_HOLDERS = ("gradients", "activations", "gathered_parameters", "collective_buffers")
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes one rank holds at the step's peak. Parameter shards and optimizer state are
+    held throughout; the rest is what the compiled graph holding the peak (``peak_graph``)
+    has live then."""
+
+    parameters: int
+    optimizer_state: int
+    gradients: int  # reduced shards and full gradients awaiting their reduction
+    activations: int  # saved for backward, and temporaries
+    gathered_parameters: int  # all-gather buffers and unpacked parameters
+    collective_buffers: int  # gradients packed for or in reduction, backend scratch
+    peak_graph: str
+
+    @property
+    def peak(self) -> int:
+        return (self.parameters + self.optimizer_state + self.gradients + self.activations
+                + self.gathered_parameters + self.collective_buffers)
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    """Seconds of one training step. ``forward`` and ``backward`` are the estimated
+    timelines' lengths: compute plus the communication compute waits for (the critical
+    path through the two streams)."""
+
+    forward: float
+    backward: float
+    optimizer: float
+    compute: float
+    communication: float  # all collectives, hidden or not
+    exposed_communication: float  # compute waiting for collectives
+    exposed_waits: tuple[tuple[str, str, float], ...] = ()  # (graph, bucket or unit, seconds), largest first
+
+    @property
+    def total(self) -> float:
+        return self.forward + self.backward + self.optimizer
+
+
+@dataclass
+class PlanReport:
+    """What ``compshard.plan`` predicts for one configuration. ``str(report)`` summarizes it.
+
+    Attributes:
+        world_size, hardware: what was planned for (``hardware``: the preset's name).
+        sharding: the ``compshard.shard`` keywords used; ``shard_size`` x ``replicate_size``
+            ranks (hybrid sharding: shard groups of ``shard_size``).
+        options: the backend options used.
+        tokens_per_rank: tokens one rank trains on per step.
+        memory: :class:`MemoryEstimate` (rank 0, the rank holding the most).
+        step: :class:`StepEstimate`.
+        memory_capacity: the device's memory in bytes (None: not known).
+        extrapolated: None, or (blocks compiled, blocks in the model, the stack's name)
+            when the estimates were extended from a shallower copy (see ``depth``).
+        candidates: with ``memory_budget_gib``, a report per configuration tried.
+        recommended: the fastest candidate that fits the budget (None: none fits).
+        schedule: the :class:`~compshard.report.Report` planned on (the deeper copy when
+            extrapolated; None when planned in a subprocess).
+    """
+
+    world_size: int
+    hardware: str
+    sharding: dict
+    shard_size: int
+    replicate_size: int
+    options: dict
+    tokens_per_rank: int
+    memory: MemoryEstimate
+    step: StepEstimate
+    memory_capacity: int | None = None
+    extrapolated: tuple[int, int, str] | None = None
+    candidates: list["PlanReport"] = field(default_factory=list)
+    recommended: "PlanReport | None" = None
+    schedule: Report | None = field(default=None, repr=False)
+
+    @property
+    def tokens_per_second_per_rank(self) -> float:
+        return self.tokens_per_rank / self.step.total
+
+    @property
+    def tokens_per_second(self) -> float:
+        """All ranks together."""
+        return self.tokens_per_second_per_rank * self.world_size
+
+    @property
+    def communication_share(self) -> float:
+        """Exposed communication as a share of the step: what communication costs."""
+        return self.step.exposed_communication / self.step.total
+
+    def fits(self, budget_bytes: float | None = None) -> bool | None:
+        """Whether the peak fits ``budget_bytes`` (default: the device's memory; None when unknown)."""
+        budget = self.memory_capacity if budget_bytes is None else budget_bytes
+        return None if budget is None else self.memory.peak <= budget
+
+    def configuration(self) -> str:
+        strategy = self.sharding.get("strategy", "full_shard")
+        dtype = self.sharding.get("param_dtype")
+        options = ", ".join(f"{k}={v}" for k, v in self.options.items()) or "default options"
+        return (f"{strategy} (shard {self.shard_size} x replicate {self.replicate_size}"
+                f"{f', param_dtype {dtype}' if dtype else ''}), {options}")
+
+    def __str__(self) -> str:
+        m, s = self.memory, self.step
+        fits = self.fits()
+        capacity = "" if fits is None else f" of {self.memory_capacity / GiB:.1f} ({'fits' if fits else 'does not fit'})"
+        memory = tabulate([[f"{v / GiB:.3f}" for v in (m.parameters, m.optimizer_state, m.gradients, m.activations,
+                                                        m.gathered_parameters, m.collective_buffers, m.peak)]],
+                          headers=["params", "optim state", "grads", "activations", "gathered params",
+                                   "collective buffers", "peak"])
+        lines = [
+            f"compshard.plan: {self.world_size} ranks on {self.hardware}: {self.configuration()}",
+            *([f"extrapolated from {self.extrapolated[0]} of the {self.extrapolated[1]} blocks of "
+               f"'{self.extrapolated[2]}'"] if self.extrapolated else []),
+            f"memory per rank (GiB), peak in {m.peak_graph}{capacity}:",
+            memory,
+            f"step {s.total * 1e3:.1f} ms = forward {s.forward * 1e3:.1f} + backward {s.backward * 1e3:.1f} + "
+            f"optimizer {s.optimizer * 1e3:.1f}; critical path: compute {s.compute * 1e3:.1f} ms + exposed "
+            f"communication {s.exposed_communication * 1e3:.1f} ms ({self.communication_share:.1%} of the step; "
+            f"all collectives {s.communication * 1e3:.1f} ms)",
+            f"tokens/s: {self.tokens_per_second_per_rank:,.0f} per rank, {self.tokens_per_second:,.0f} in all",
+        ]
+        waits = "; ".join(f"{graph} {what} {seconds * 1e3:.1f} ms" for graph, what, seconds in s.exposed_waits)
+        if waits:
+            lines.append(f"longest waits for communication: {waits}")
+        if self.candidates:
+            lines.append(tabulate(
+                [[c.configuration(), f"{c.memory.peak / GiB:.3f}", f"{c.step.total * 1e3:.1f}",
+                  f"{c.tokens_per_second_per_rank:,.0f}", "*" if c is self.recommended else ""]
+                 for c in self.candidates],
+                headers=["candidate", "peak GiB", "step ms", "tokens/s/rank", "fastest fitting"]))
+            if self.recommended is None:
+                lines.append("no candidate fits the memory budget")
+        return "\n".join(lines)
+
+    __repr__ = __str__
+
+
+def default_candidates(world_size: int, devices_per_node: int) -> list[tuple[dict, dict]]:
+    """The (sharding, options) grid ``memory_budget_gib`` searches: each recompute policy
+    with full sharding, with parameters kept from forward to backward (``shard_grad_op``),
+    and, beyond one node, with hybrid sharding over one node's devices."""
+    strategies = ["full_shard", "shard_grad_op"]
+    if world_size > devices_per_node and world_size % devices_per_node == 0:
+        strategies.append("hybrid_shard")
+    return [({"strategy": strategy}, {"recompute": recompute})
+            for strategy in strategies for recompute in ("none", "selective", "full")]
+
+
+def plan(
+    model: nn.Module,
+    *example_inputs: Any,
+    world_size: int,
+    hardware: str | Hardware | Measured = "h100-sxm",
+    options: dict | None = None,
+    sharding: dict | None = None,
+    shard_group_size: int | None = None,
+    optimizer_states: int = 2,
+    tokens_per_rank: int | None = None,
+    memory_budget_gib: float | None = None,
+    candidates: Sequence[tuple[dict, dict]] | None = None,
+    depth: Depth = "auto",
+    **model_kwargs: Any,
+) -> PlanReport:
+    """Predict one training step of ``model`` at ``world_size`` ranks; see :class:`PlanReport`.
+
+    Args:
+        model: the unsharded model; not modified. Its parameters may live on the meta
+            device (``with torch.device("meta"): model = ...``): only shapes and dtypes
+            are read.
+        example_inputs, model_kwargs: one rank's inputs of one step (its local batch);
+            real or meta tensors, only their shapes and dtypes are read. The output must
+            be a loss (or tensors) requiring grad: the step is its forward and backward.
+        world_size: data-parallel ranks.
+        hardware: a preset name (``compshard.hardware.PRESETS``), a
+            :class:`~compshard.hardware.Hardware`, or ``"measured"``: the constants
+            ``compshard.shard`` calibrates on the current process group (collective:
+            call on every rank).
+        options: backend options, as for ``torch.compile(..., options=...)``.
+        sharding: ``compshard.shard`` keywords (``strategy``, ``param_dtype``,
+            ``reduce_dtype``, ``reshard_after_forward``, ...); the mesh is built here.
+        shard_group_size: ranks per shard group for ``strategy="hybrid_shard"`` (default:
+            the hardware's devices per node).
+        optimizer_states: optimizer tensors per parameter of the parameter's size (AdamW:
+            2; SGD with momentum: 1).
+        tokens_per_rank: tokens per rank and step for tokens/s (default: the elements of
+            the first integer tensor among the inputs).
+        memory_budget_gib: also plan ``candidates`` and recommend the fastest that fits
+            this many GiB per rank (each candidate is planned as the main configuration is).
+        candidates: (sharding, options) pairs laid over ``sharding`` and ``options``
+            (default: :func:`default_candidates`).
+        depth: ``"auto"``, ``"exact"`` or ``"extrapolate"`` (see the module's docstring).
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"compshard.plan: model must be an nn.Module, got {type(model).__name__}")
+    if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
+        raise ValueError(f"compshard.plan: world_size must be an int >= 1, got {world_size!r}")
+    if not isinstance(optimizer_states, int) or optimizer_states < 0:
+        raise ValueError(f"compshard.plan: optimizer_states must be an int >= 0, got {optimizer_states!r}")
+    if memory_budget_gib is not None and not memory_budget_gib > 0:
+        raise ValueError(f"compshard.plan: memory_budget_gib must be a number > 0 or None, got {memory_budget_gib!r}")
+    if depth not in ("auto", "exact", "extrapolate"):
+        raise ValueError(f"compshard.plan: depth={depth!r} is not allowed; use 'auto', 'exact' or 'extrapolate'")
+    sharding, options = dict(sharding or {}), dict(options or {})
+    meta_model = _copy_model(model, _meta_like)
+    inputs = torch.utils._pytree.tree_map_only(torch.Tensor, _meta_like, (example_inputs, model_kwargs))
+    tokens = tokens_per_rank if tokens_per_rank is not None else _count_tokens(inputs)
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    machine = hardware_presets.resolve(hardware, device, world_size)
+    group_size = shard_group_size or getattr(machine, "devices_per_node", world_size)
+    setups = [(sharding, options)]
+    if memory_budget_gib is not None:
+        grid = candidates if candidates is not None else default_candidates(world_size, group_size)
+        setups += [({**sharding, **more_sharding}, {**options, **more_options}) for more_sharding, more_options in grid]
+    for setup_sharding, setup_options in setups:
+        _check_setup(setup_sharding, setup_options, world_size, group_size)
+    job = _Job(meta_model, inputs, machine, world_size, group_size, optimizer_states, tokens, depth)
+    reports = _in_subprocess(_plan_all, job, setups) if dist.is_initialized() else _plan_all(job, setups)
+    report = reports[0]
+    if memory_budget_gib is not None:
+        report.candidates = reports[1:]
+        fitting = [r for r in report.candidates if r.fits(memory_budget_gib * GiB)]
+        report.recommended = min(fitting, key=lambda r: r.step.total, default=None)
+    return report
+
+
+def _check_setup(sharding: dict, options: dict, world_size: int, group_size: int) -> None:
+    unknown = sorted(set(sharding) - set(_SHARD_KEYWORDS))
+    if unknown:
+        raise ValueError(f"compshard.plan: unknown sharding keyword(s) {unknown}; allowed: {list(_SHARD_KEYWORDS)} "
+                         "(the mesh is built by plan)")
+    strategy = sharding.get("strategy", "full_shard")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"compshard.plan: sharding strategy={strategy!r} is not allowed; use one of {list(STRATEGIES)}")
+    if strategy == "hybrid_shard" and (group_size < 1 or world_size % group_size or group_size == world_size):
+        raise ValueError(f"compshard.plan: strategy='hybrid_shard' needs shard_group_size dividing world_size="
+                         f"{world_size} into more than one group, got {group_size}")
+    CompileOptions.from_dict(options)
+
+
+def _count_tokens(inputs: Any) -> int:
+    for leaf in torch.utils._pytree.tree_leaves(inputs):
+        if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex():
+            return leaf.numel()
+    raise ValueError("compshard.plan: no integer tensor among the inputs to count tokens from; pass tokens_per_rank")
+
+
+# ------------------------------------------------------------------------- model copies
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+
+
+def _copy_model(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -> nn.Module:
+    """A deep copy of ``model`` whose parameters and buffers are ``make(tensor)`` (ties kept)."""
+    from compshard.sharding import is_sharded
+
+    if is_sharded(model):
+        raise ValueError("compshard.plan: model is already sharded; pass the unsharded model (meta parameters will do)")
+    memo: dict[int, Any] = {}
+    for param in model.parameters():
+        memo.setdefault(id(param), nn.Parameter(make(param.detach()), requires_grad=param.requires_grad))
+    for buffer in model.buffers():
+        memo.setdefault(id(buffer), make(buffer))
+    return copy.deepcopy(model, memo)
+
+
+def _block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
+    """The longest ``ModuleList`` of blocks of one class with the same parameter shapes."""
+    def signature(block: nn.Module) -> tuple:
+        return type(block), tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
+
+    stacks = [(name, module) for name, module in model.named_modules()
+              if isinstance(module, nn.ModuleList) and len(module) >= 3
+              and len({signature(block) for block in module}) == 1]
+    return max(stacks, key=lambda stack: len(stack[1]), default=None)
+
+
+def _truncated(model: nn.Module, stack_name: str, blocks: int) -> nn.Module:
+    """A copy of ``model`` (sharing its tensors) whose stack holds its first ``blocks`` blocks."""
+    parent_name, _, attr = stack_name.rpartition(".")
+    shallow = copy.copy(model)
+    shallow._modules = dict(model._modules)
+    parent = shallow
+    if parent_name:  # copy the path down to the stack, so the original keeps its blocks
+        for part in parent_name.split("."):
+            child = copy.copy(parent._modules[part])
+            child._modules = dict(child._modules)
+            parent._modules[part] = child
+            parent = child
+    parent._modules[attr] = nn.ModuleList(list(parent._modules[attr])[:blocks])
+    return shallow
+
+
+# ------------------------------------------------------------------------- planning
+
+
+@dataclass(frozen=True)
+class _Job:
+    """What every configuration of one ``plan`` call shares (picklable: a subprocess gets it)."""
+
+    meta_model: nn.Module
+    inputs: tuple
+    machine: Hardware | Measured
+    world_size: int
+    group_size: int
+    optimizer_states: int
+    tokens: int
+    depth: str
+
+
+@dataclass(frozen=True)
+class _Estimates:
+    """One compiled schedule's figures (or a linear combination of two)."""
+
+    peaks: dict[str, dict[str, int]]  # graph -> holder -> bytes live at that graph's peak
+    forward: float
+    backward: float
+    communication: float
+    exposed_communication: float
+
+    def extended(self, shallower: "_Estimates", blocks: int) -> "_Estimates":
+        """``self`` plus ``blocks`` times the difference to ``shallower`` (one block fewer)."""
+        def extend(deep: float, shallow: float) -> float:
+            return deep + blocks * (deep - shallow)
+
+        peaks = {graph: {holder: round(extend(b, shallower.peaks[graph][holder])) for holder, b in held.items()}
+                 for graph, held in self.peaks.items()}
+        return _Estimates(peaks, *(extend(getattr(self, f.name), getattr(shallower, f.name))
+                                   for f in fields(self) if f.name != "peaks"))
+
+
+def _in_subprocess(fn: Callable, *args: Any) -> Any:
+    """``fn(*args)`` in a spawned process (a process group exists here, and a fake world
+    needs a process of its own)."""
+    with torch.multiprocessing.get_context("spawn").Pool(1) as pool:
+        return pool.apply(fn, args)
+
+
+def _plan_all(job: _Job, setups: list[tuple[dict, dict]]) -> list[PlanReport]:
+    in_subprocess = torch.multiprocessing.current_process().name != "MainProcess"
+    reports = [_plan_setup(job, sharding, options) for sharding, options in setups]
+    return [replace(report, schedule=None) for report in reports] if in_subprocess else reports
+
+
+def _extrapolation(job: _Job, sharding: dict, options: CompileOptions) -> tuple[str, int] | None:
+    """(the block stack's name, its length) when ``job.depth`` asks to extrapolate and the
+    blocks do not couple the schedule; None to compile the whole model."""
+    stack = _block_stack(job.meta_model) if job.depth != "exact" else None
+    if job.depth == "extrapolate" and stack is None:
+        raise ValueError("compshard.plan: depth='extrapolate' needs a ModuleList of at least 3 identical blocks")
+    if stack is None or job.depth == "extrapolate":
+        return None if stack is None else (stack[0], len(stack[1]))
+    dtype = sharding.get("param_dtype")
+    block_bytes = sum(p.numel() * (dtype or p.dtype).itemsize for p in stack[1][0].parameters())
+    independent = (options.buckets == "auto" and options.memory_budget_mb is None
+                   and not isinstance(options.recompute, dict) and block_bytes > options.bucket_mb * MB)
+    return (stack[0], len(stack[1])) if independent and len(stack[1]) >= EXTRAPOLATE_FROM else None
+
+
+def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
+    strategy = sharding.get("strategy", "full_shard")
+    shard_size = job.group_size if strategy == "hybrid_shard" else job.world_size
+    compute_dtype = sharding.get("param_dtype") or _parameter_dtype(job.meta_model)
+    extrapolation = _extrapolation(job, sharding, CompileOptions.from_dict(options))
+    if extrapolation is None:
+        estimates, schedule = _compile(job, job.meta_model, sharding, options, shard_size, compute_dtype)
+    else:
+        stack_name, blocks = extrapolation
+        shallow, _ = _compile(job, _truncated(job.meta_model, stack_name, 2), sharding, options, shard_size,
+                              compute_dtype)
+        deeper, schedule = _compile(job, _truncated(job.meta_model, stack_name, 3), sharding, options, shard_size,
+                                    compute_dtype)
+        estimates = deeper.extended(shallow, blocks - 3)
+    params, tensors = _rank0_shard_bytes(job.meta_model, shard_size)
+    peak_graph = max(estimates.peaks, key=lambda graph: sum(estimates.peaks[graph].values()))
+    costs = job.machine.group_costs(range(shard_size), compute_dtype)
+    # AdamW-like: read parameter, gradient and states; write parameter and states.
+    optimizer = ((3 + 2 * job.optimizer_states) * params / costs.bytes_per_second
+                 + tensors * job.machine.optimizer_tensor_seconds)
+    exposed = estimates.exposed_communication
+    return PlanReport(
+        world_size=job.world_size, hardware=job.machine.name, sharding=sharding, shard_size=shard_size,
+        replicate_size=job.world_size // shard_size, options=options, tokens_per_rank=job.tokens,
+        memory=MemoryEstimate(parameters=params, optimizer_state=job.optimizer_states * params,
+                              peak_graph=peak_graph, **estimates.peaks[peak_graph]),
+        step=StepEstimate(forward=estimates.forward, backward=estimates.backward, optimizer=optimizer,
+                          compute=estimates.forward + estimates.backward - exposed,
+                          communication=estimates.communication, exposed_communication=exposed,
+                          exposed_waits=_longest_waits(schedule)),
+        memory_capacity=job.machine.memory_bytes,
+        extrapolated=None if extrapolation is None else (3, extrapolation[1], extrapolation[0]),
+        schedule=schedule)
+
+
+def _parameter_dtype(model: nn.Module) -> torch.dtype:
+    counts: dict[torch.dtype, int] = {}
+    for param in model.parameters():
+        if param.is_floating_point():
+            counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
+    return max(counts, key=counts.__getitem__, default=torch.float32)
+
+
+def _rank0_shard_bytes(model: nn.Module, shard_size: int) -> tuple[int, int]:
+    """(bytes of rank 0's rows of every parameter, number of parameter tensors)."""
+    params = list({id(p): p for p in model.parameters()}.values())
+    local = [Layout(tuple(p.shape), shard_size, rank=0).local_shape for p in params]
+    return sum(math.prod(shape) * p.element_size() for shape, p in zip(local, params)), len(params)
+
+
+@contextlib.contextmanager
+def _fake_world(world_size: int, shard_size: int, machine: Hardware | Measured,
+                compute_dtype: torch.dtype) -> Iterator[Any]:
+    """A ``"fake"`` default process group of ``world_size`` ranks (this process: rank 0)
+    and its mesh (2-D (replicate, shard) when ``shard_size < world_size``), whose groups
+    have ``machine``'s constants and collective backend."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
+    try:
+        shape = (world_size,) if shard_size == world_size else (world_size // shard_size, shard_size)
+        mesh = init_device_mesh("cpu", shape)
+        groups = {mesh.get_group(dim) for dim in range(mesh.ndim)}
+        costs = {g.group_name: machine.group_costs(dist.get_process_group_ranks(g), compute_dtype) for g in groups}
+        backends = {name: machine.collective_backend for name in costs}
+        SIMULATED_BACKENDS.update(backends)
+        try:
+            with cost_model.assumed(costs):
+                yield mesh
+        finally:
+            for name in backends:
+                SIMULATED_BACKENDS.pop(name, None)
+    finally:
+        dist.destroy_process_group()
+
+
+def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, shard_size: int,
+             compute_dtype: torch.dtype) -> tuple[_Estimates, Report]:
+    """The adapter to the backend: compile a fake copy of ``meta_model``, sharded at
+    ``job.world_size`` ranks, with ``compshard.inspect``; read the schedule's estimates."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    import compshard
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        with fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+    model = _copy_model(meta_model, fake_like)
+    args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, fake_like, job.inputs)
+    try:
+        with _fake_world(job.world_size, shard_size, job.machine, compute_dtype) as mesh:
+            compshard.shard(model, mesh=mesh, **sharding)
+            schedule = inspect(model, *args, options=options, **kwargs)
+    finally:
+        torch._dynamo.reset()  # planning's compiled code (on fake tensors) is of no further use
+    if "backward" not in schedule.graphs:
+        raise ValueError("compshard.plan: the model's output does not require grad; plan predicts a training step")
+    timelines = schedule.timelines
+    return _Estimates(
+        peaks={kind: _peak_breakdown(gm, count_inputs=kind == "backward") for kind, gm in schedule.graphs.items()},
+        forward=timelines["forward"].total, backward=timelines["backward"].total,
+        communication=sum(t.comm for t in timelines.values()),
+        exposed_communication=sum(t.exposed_comm for t in timelines.values()),
+    ), schedule
+
+
+def _longest_waits(schedule: Report, count: int = 3) -> tuple[tuple[str, str, float], ...]:
+    """The ``count`` longest waits of compute for a collective: (graph, bucket, seconds)."""
+    waits = []
+    for kind, timeline in schedule.timelines.items():
+        nodes = {node.name: node for node in schedule.graphs[kind].graph.nodes}
+        for span in timeline.spans:
+            if span.kind == "wait" and span.end > span.start:
+                meta = nodes[span.name].meta.get(META_KEY, {})
+                waits.append((kind, meta.get("bucket") or meta.get("unit", ""), span.end - span.start))
+    return tuple(sorted(waits, key=lambda wait: -wait[2])[:count])
+
+
+# ------------------------------------------------------------------------- memory at the peak
+
+
+def _peak_breakdown(gm: fx.GraphModule, count_inputs: bool) -> dict[str, int]:
+    """The storages live while the graph's peak node runs (as ``estimate_memory`` counts
+    them), summed by what holds them."""
+    events = storages(gm.graph, count_inputs)
+    live = peak = peak_index = 0
+    for index, node in enumerate(events.nodes):
+        live += events.allocates.get(node, 0)
+        if live > peak:
+            peak, peak_index = live, index
+        live -= events.released.get(index, 0)
+    started = {meta["collective"]: meta["kind"] for node in events.nodes
+               if (meta := node.meta.get(META_KEY)) and meta["kind"] in COLLECTIVE_KINDS}
+    awaiting_reduction = {root for node in events.nodes if _side(node, started) == "reduce" and _kind(node) == "pack"
+                          for root in (events.roots.get(i) for i in node.all_input_nodes) if root is not None}
+    totals = dict.fromkeys(_HOLDERS, 0)
+    for node in events.nodes:
+        if events.roots[node] is node and events.order[producer(node)] <= peak_index <= events.release_index(node):
+            totals[_holder(node, started, awaiting_reduction)] += nbytes(node.meta.get("val"))
+        scratch = backend_scratch_bytes(node)
+        if scratch and events.order[node] <= peak_index <= events.order[next(iter(node.users))]:
+            totals["collective_buffers"] += scratch
+    if sum(totals.values()) != peak:
+        raise AssertionError(f"compshard.plan: peak breakdown {totals} does not add up to the estimate {peak}")
+    return totals
+
+
+def _kind(node: fx.Node) -> str | None:
+    meta = node.meta.get(META_KEY)
+    return meta["kind"] if meta else None
+
+
+def _side(node: fx.Node, started: dict[str, str]) -> str | None:
+    """``"gather"`` or ``"reduce"``: which lowering made a scheduled node; None for others.
+    A node whose collective never starts is a local cast: of a parameter when it has no
+    collective label, else of a gradient."""
+    meta = node.meta.get(META_KEY)
+    if meta is None:
+        return None
+    kind = started.get(meta["collective"])
+    if kind is None:
+        return "gather" if meta["collective"] is None else "reduce"
+    return "gather" if kind == "all_gather" else "reduce"
+
+
+def _holder(root: fx.Node, started: dict[str, str], awaiting_reduction: set[fx.Node]) -> str:
+    if root.op == "placeholder":  # backward inputs: activations saved by forward, tangents
+        return "activations"
+    side = _side(root, started) or _side(producer(root), started)
+    if side == "gather":
+        return "gathered_parameters"
+    if side == "reduce":
+        return "gradients" if (_kind(root) or _kind(producer(root))) == "unpack" else "collective_buffers"
+    return "gradients" if root in awaiting_reduction else "activations"

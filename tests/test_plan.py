@@ -1,0 +1,112 @@
+"""compshard.plan: predicted memory against a measured run, and what a plan holds."""
+
+from __future__ import annotations
+
+import math
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import compshard
+from compshard.hardware import Measured
+from compshard.models import GPT, GPTConfig
+from tests.distributed import run_distributed
+from tests.models import TINY_GPT
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from harness import peak_tensor_bytes, state_bytes  # noqa: E402  (the benchmarks' measurement)
+
+MEASURED_GPT = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=128)
+GLOBAL_BATCH = 8
+
+
+def _local_batch(cfg: GPTConfig, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    tokens = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, cfg.block_size + 1),
+                           generator=torch.Generator().manual_seed(1))
+    return tokens[:, :-1].chunk(world_size)[rank], tokens[:, 1:].chunk(world_size)[rank]
+
+
+def _meta_gpt(cfg: GPTConfig) -> GPT:
+    with torch.device("meta"):
+        return GPT(cfg)
+
+
+def _measure_peak(rank: int, world_size: int):
+    """One compiled step's peak tensor bytes (as the benchmarks measure it) and the cost
+    model's constants this process group was calibrated to."""
+    torch.manual_seed(0)
+    model = compshard.shard(GPT(MEASURED_GPT))
+    x, y = _local_batch(MEASURED_GPT, rank, world_size)
+    opt = torch.optim.AdamW(model.parameters())
+    step_model = torch.compile(model, backend="compshard")
+    step_model(x, y).backward()  # compiles
+    opt.step()  # creates the optimizer state held from now on
+    opt.zero_grad(set_to_none=True)
+    peak = peak_tensor_bytes(lambda: step_model(x, y).backward(), torch.device("cpu"), state_bytes(model, opt))
+    return peak, compshard.cost_model.costs_for(dist.group.WORLD.group_name)
+
+
+def test_predicted_peak_memory_is_within_10_percent_of_a_measured_run_at_world_size_2():
+    measured = run_distributed(_measure_peak, 2)
+    measured_peak = max(peak for peak, _ in measured)
+    report = compshard.plan(_meta_gpt(MEASURED_GPT), *_local_batch(MEASURED_GPT, 0, 2), world_size=2,
+                            hardware=Measured(measured[0][1], "gloo"))
+    assert abs(report.memory.peak - measured_peak) <= 0.10 * measured_peak, (report.memory, measured_peak)
+
+
+def _rank0_shard_bytes(model: torch.nn.Module, shard_size: int) -> int:
+    """Bytes of rank 0's rows of every parameter: ceil(rows / N) rows (0-d: the whole)."""
+    total = 0
+    for param in {id(p): p for p in model.parameters()}.values():
+        rows = math.ceil(param.shape[0] / shard_size) if param.dim() else 1
+        total += min(rows, param.shape[0] if param.dim() else 1) * math.prod(param.shape[1:]) * param.element_size()
+    return total
+
+
+@pytest.fixture(scope="module")
+def plans():
+    model = _meta_gpt(TINY_GPT)
+    x, y = _local_batch(TINY_GPT, 0, 8)
+    budgeted = compshard.plan(model, x, y, world_size=16, memory_budget_gib=1.0,
+                              candidates=[({}, {"recompute": "none"}), ({}, {"recompute": "full"})])
+    hybrid = compshard.plan(model, x, y, world_size=16, sharding={"strategy": "hybrid_shard"})
+    return model, x, budgeted, hybrid
+
+
+def test_plan_holds_rank0_shards_optimizer_state_and_a_consistent_step(plans):
+    model, x, full, hybrid = plans
+    assert full.memory.parameters == _rank0_shard_bytes(model, 16)
+    assert hybrid.memory.parameters == _rank0_shard_bytes(model, 8)  # shard groups of one H100 node
+    assert (hybrid.shard_size, hybrid.replicate_size) == (8, 2)
+    for report in (full, hybrid):
+        assert report.memory.optimizer_state == 2 * report.memory.parameters
+        step = report.step
+        assert step.total == pytest.approx(step.forward + step.backward + step.optimizer)
+        assert step.compute + step.exposed_communication == pytest.approx(step.forward + step.backward)
+        assert report.tokens_per_second == pytest.approx(16 * x.numel() / step.total)
+    kinds = {c["kind"] for c in hybrid.schedule.collectives}
+    assert "all_reduce" in kinds and "all_reduce" not in {c["kind"] for c in full.schedule.collectives}
+
+
+def test_budget_recommends_the_fastest_fitting_candidate(plans):
+    _, _, report, _ = plans
+    assert [c.options for c in report.candidates] == [{"recompute": "none"}, {"recompute": "full"}]
+    fitting = [c for c in report.candidates if c.memory.peak <= 2**30]
+    assert report.recommended is min(fitting, key=lambda c: c.step.total)
+    assert "fastest fitting" in str(report)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    ({"world_size": 0}, "world_size must be an int >= 1"),
+    ({"world_size": 8, "hardware": "tpu-v9"}, "hardware='tpu-v9' is not known"),
+    ({"world_size": 8, "sharding": {"mesh": None}}, "unknown sharding keyword"),
+    ({"world_size": 12, "sharding": {"strategy": "hybrid_shard"}}, "needs shard_group_size dividing"),
+    ({"world_size": 8, "options": {"prefetch": -1}}, "option 'prefetch' must be"),
+])
+def test_bad_arguments_name_the_option(kwargs, message):
+    x, y = _local_batch(TINY_GPT, 0, 8)
+    with pytest.raises(ValueError, match=message):
+        compshard.plan(_meta_gpt(TINY_GPT), x, y, **kwargs)
