@@ -9,10 +9,11 @@ backward and AdamW step, ranks aligned by a barrier before each) and measured as
 bench_step measures it: the median step time (the largest per-rank median) and the
 per-rank peak bytes of CPU/GPU tensors of one forward and backward (bytes held at its
 start plus the largest rise of the allocator's allocations; the largest over ranks).
-Then rank 0 plans the same model, batch and options with ``compshard.plan(...,
-world_size=<this run's>, hardware=<measured>)``: the cost model's constants are the ones
-``compshard.shard`` calibrated on this process group for the measured run, so the plan
-schedules what the run scheduled. The table shows both and the error of the prediction
+Then every rank times the machine (``compshard.hardware.measure``: the cost model's
+constants sustained, the host work per parameter tensor) and plans the same model,
+batch and options with ``compshard.plan(..., world_size=<this run's>, hardware=<that>)``
+(which times the scheduled graphs' ops while the other ranks do the same, as in
+training); rank 0's plan is shown beside the measurement with the prediction's error
 ((predicted - measured) / measured).
 
 The JSON file (--out) holds the configuration, the command, torch version, device, world
@@ -80,13 +81,14 @@ def main(args: argparse.Namespace) -> None:
     dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes))
     measured_step = max(statistics.median(steps) for steps, _ in per_rank)
     measured_peak = max(peak for _, peak in per_rank)
-    # The constants the measured run decided with (calibrated when it sharded the model).
-    machine = compshard.hardware.measure(device, world_size)
+    machine = compshard.hardware.measure(device, world_size)  # collective
+    # Every rank plans (in a subprocess each), so the plan times its ops while the other
+    # ranks load the machine as in training; rank 0's plan is reported.
+    progress("planning ...")
+    plan_started = time.perf_counter()
+    report = compshard.plan(reference, *batch, world_size=world_size, hardware=machine, options=args.options)
+    plan_seconds = time.perf_counter() - plan_started
     if rank == 0:
-        progress("planning ...")
-        plan_started = time.perf_counter()
-        report = compshard.plan(reference, *batch, world_size=world_size, hardware=machine, options=args.options)
-        plan_seconds = time.perf_counter() - plan_started
         print(report)
         step, memory = report.step, report.memory
         row = {

@@ -33,7 +33,7 @@ from torch import fx
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
 __all__ = ["Costs", "Timer", "assumed", "calibrate", "costs_for", "collective_seconds", "measure_compute",
-           "measure_costs", "median_seconds", "node_seconds"]
+           "measure_costs", "median_seconds", "node_seconds", "signature"]
 
 
 @dataclass(frozen=True)
@@ -156,23 +156,31 @@ def _describe(value) -> object:
     return repr(value)
 
 
+def signature(node: fx.Node) -> tuple | None:
+    """What an op node's cost depends on: the op, its arguments' shapes, strides, dtypes
+    and constants, and its output's (None: an argument that cannot be a key)."""
+    args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
+    try:
+        key = (node.target, _describe(args), _describe(kwargs), _describe(node.meta.get("val")))
+        hash(key)
+    except TypeError:
+        return None
+    return key
+
+
 def node_seconds(node: fx.Node, costs: Costs) -> float:
     """Estimated seconds of one compute node, from its fake tensors (symbolic sizes at
     their hints: no guard). Cached per op, argument shapes and constants: the repeated
     blocks of a model run the same ops on the same shapes, and are counted once."""
     if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
         return 0.0
+    key = signature(node)
+    if key is not None and (key, costs) in _seconds_cache:
+        return _seconds_cache[key, costs]
     args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
-    try:
-        key = (node.target, costs, _describe(args), _describe(kwargs), _describe(node.meta.get("val")))
-        hash(key)
-    except TypeError:  # an argument that cannot be a key: estimate it anew
-        key = None
-    if key is not None and key in _seconds_cache:
-        return _seconds_cache[key]
     seconds = _node_seconds(node, args, kwargs, costs)
     if key is not None:
-        _seconds_cache[key] = seconds
+        _seconds_cache[key, costs] = seconds
     return seconds
 
 

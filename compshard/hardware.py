@@ -30,9 +30,11 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch import fx
 
 from compshard import cost_model
 from compshard.cost_model import Costs
+from compshard.passes.fx_utils import nbytes, size_hint
 
 __all__ = ["Link", "Hardware", "Measured", "PRESETS", "measure", "resolve"]
 
@@ -64,9 +66,14 @@ class Hardware:
     op_overhead: float  # seconds each op costs beyond its FLOPs or bytes
     collective_backend: str  # "nccl": collectives need no scratch memory (see estimate_memory)
     source: str = field(default="", compare=False)
-    # torch.optim's default on CUDA (foreach) updates all tensors in a few kernels: no
-    # per-tensor cost beyond the bytes.
-    optimizer_tensor_seconds: float = 0.0
+    # Host work per parameter tensor and step outside the graphs (guards, DTensor
+    # wrapping; torch.optim's foreach AdamW on CUDA updates all tensors in a few kernels):
+    # it runs while the GPU works through the queued kernels, so it costs no step time.
+    step_tensor_seconds: float = 0.0
+
+    def op_seconds(self, node: fx.Node) -> float | None:
+        """Presets estimate every op (the cost model): nothing is timed."""
+        return None
 
     def group_costs(self, ranks: Sequence[int], compute_dtype: torch.dtype) -> Costs:
         """The cost model's constants for a process group of these global ranks."""
@@ -152,19 +159,76 @@ PRESETS: dict[str, Hardware] = {h.name: h for h in (H100_SXM, H100_HBM2E_500W, A
 
 @dataclass(frozen=True)
 class Measured:
-    """``hardware="measured"``: constants measured on this machine (every group alike)."""
+    """``hardware="measured"``: this machine, timed (every process group alike).
+
+    ``costs``: the cost model's constants, timed as calibration times them but sustained
+    (:func:`sustained_seconds`); the schedule is decided with them. The step is then
+    priced from timings: each op of the scheduled graphs run on random tensors of its
+    shapes (:meth:`op_seconds`; ops larger than ``OP_TIMING_BYTES`` keep the estimate),
+    and ``step_tensor_seconds`` per parameter tensor for what a step does outside its
+    graphs (guards, DTensor wrapping of parameters and gradients, gradient accumulation,
+    AdamW's update), timed on a compiled model whose graph does almost nothing."""
 
     costs: Costs
     collective_backend: str  # the process group's backend ("gloo" holds scratch buffers)
-    optimizer_tensor_seconds: float = 0.0  # an AdamW step's seconds per parameter tensor
+    device: str = "cpu"
+    step_tensor_seconds: float = 0.0
     name: str = "measured"
     memory_bytes: int | None = None  # not known: no capacity check
 
     def group_costs(self, ranks: Sequence[int], compute_dtype: torch.dtype) -> Costs:
         return self.costs
 
+    def op_seconds(self, node: fx.Node) -> float | None:
+        """Sustained seconds of ``node``'s op on random tensors of its arguments' shapes
+        (None: not timed: too large, or the op fails on such values). Timed once per
+        op and shapes."""
+        key = cost_model.signature(node)
+        if key is None or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+            return None
+        if (key, self.device) not in _op_seconds:
+            _op_seconds[key, self.device] = _time_op(node, torch.device(self.device))
+        return _op_seconds[key, self.device]
 
-SUSTAINED_CALLS = 20  # "measured" times this many times the calls calibration times
+
+OP_TIMING_BYTES = 256 * 2**20  # ops moving more bytes than this are estimated, not timed
+OP_TIMING_SECONDS = 0.005  # each op is run for at least this long
+_op_seconds: dict[tuple, float | None] = {}
+
+
+def _random_like(value: object, device: torch.device) -> object:
+    """A real tensor of a fake tensor's shape, strides and dtype, filled with random values
+    (integers and booleans: zeros, valid indices and masks); other values as they are."""
+    if isinstance(value, (list, tuple)):
+        return type(value)(_random_like(v, device) for v in value)
+    if not isinstance(value, torch.Tensor):
+        return value
+    shape, stride = [size_hint(s) for s in value.shape], [size_hint(s) for s in value.stride()]
+    span = 1 + sum((size - 1) * step for size, step in zip(shape, stride) if size > 0)
+    storage = torch.zeros(span if all(shape) else 0, dtype=value.dtype, device=device)
+    if storage.is_floating_point():
+        storage.normal_()
+    return storage.as_strided(shape, stride)
+
+
+def _time_op(node: fx.Node, device: torch.device) -> float | None:
+    values = [n.meta.get("val") for n in node.all_input_nodes] + [node.meta.get("val")]
+    if nbytes(values) > OP_TIMING_BYTES:
+        return None
+    args, kwargs = torch.utils._pytree.tree_map_only(
+        fx.Node, lambda n: _random_like(n.meta.get("val"), device), (node.args, node.kwargs))
+    try:
+        node.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - an op random values do not suit (indices, shapes): keep the estimate
+        return None
+    calls, start = 0, time.perf_counter()
+    while calls < 3 or time.perf_counter() - start < OP_TIMING_SECONDS:
+        node.target(*args, **kwargs)
+        calls += 1
+    return (time.perf_counter() - start) / calls
+
+
+SUSTAINED_CALLS = 100  # "measured" times this many times the calls calibration times
 
 
 def sustained_seconds(fn: Callable[[], object], repeats: int) -> float:
@@ -180,11 +244,9 @@ def sustained_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 
 def measure(device: torch.device, world_size: int) -> Measured:
-    """The cost model's constants timed as calibration times them, but sustained
-    (:func:`sustained_seconds`): on the default process group when there is one
-    (collective: call on every rank), else this process's compute only (``world_size``
-    1); plus the memory bandwidth of a copy and an AdamW step's seconds per parameter
-    tensor (DTensors on the process group's mesh, as sharded parameters are)."""
+    """Time this machine (see :class:`Measured`): on the default process group when there
+    is one (collective: call on every rank), else this process's compute only (planning
+    ``world_size`` 1). Compiles a small model (a few seconds)."""
     if dist.is_initialized():
         costs = cost_model.measure_costs(dist.group.WORLD, device, sustained_seconds)
         backend = str(dist.get_backend())
@@ -197,25 +259,43 @@ def measure(device: torch.device, world_size: int) -> Measured:
         costs, backend = Costs(flops_per_second=flops_per_second, node_overhead=node_overhead), "none"
     source, target = torch.ones(1 << 18, device=device), torch.empty(1 << 18, device=device)
     bytes_per_second = target.nbytes / sustained_seconds(lambda: target.copy_(source), 5)
-    return Measured(replace(costs, bytes_per_second=bytes_per_second), backend, _adamw_seconds_per_tensor(device))
+    return Measured(replace(costs, bytes_per_second=bytes_per_second), backend, str(device),
+                    _step_seconds_per_tensor(device))
 
 
-def _adamw_seconds_per_tensor(device: torch.device, tensors: int = 16) -> float:
-    """Seconds of an AdamW step over ``tensors`` small parameters, per tensor: DTensors on
-    the default process group's mesh when there is one, as sharded parameters are."""
-    from torch.distributed.device_mesh import DeviceMesh
-    from torch.distributed.tensor import Shard, distribute_tensor
+class _Scalars(torch.nn.Module):
+    """Parameters of one element each, summed: a step of it is almost all overhead."""
 
-    mesh = DeviceMesh.from_group(dist.group.WORLD, device.type) if dist.is_initialized() else None
-    params = []
-    for _ in range(tensors):
-        value = torch.zeros(64 * (mesh.size() if mesh is not None else 1), device=device)
-        param = torch.nn.Parameter(distribute_tensor(value, mesh, [Shard(0)]) if mesh is not None else value)
-        param.grad = torch.zeros_like(param)
-        params.append(param)
-    optimizer = torch.optim.AdamW(params)
-    optimizer.step()  # creates the state
-    return sustained_seconds(optimizer.step, 1) / tensors
+    def __init__(self, count: int) -> None:
+        super().__init__()
+        self.values = torch.nn.ParameterList(torch.nn.Parameter(torch.ones(1)) for _ in range(count))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return sum(value.sum() for value in self.values) * x.sum()
+
+
+def _step_seconds_per_tensor(device: torch.device, tensors: int = 32) -> float:
+    """Sustained seconds per parameter tensor of a compiled training step (forward,
+    backward, AdamW step, ``zero_grad``) of :class:`_Scalars` sharded over this rank
+    alone (DTensors as on the real mesh; nothing to communicate)."""
+    import compshard
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = None
+    if dist.is_initialized():  # collective: every rank makes the (world, 1) mesh
+        mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("ranks", "own"))["own"]
+    model = compshard.shard(_Scalars(tensors).to(device), mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())
+    compiled = torch.compile(model, backend="compshard")
+    x = torch.ones(2, device=device)
+
+    def step() -> None:
+        compiled(x).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # compiles
+    return sustained_seconds(step, 1) / tensors
 
 
 def resolve(hardware: str | Hardware | Measured, device: torch.device, world_size: int) -> Hardware | Measured:

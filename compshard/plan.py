@@ -14,9 +14,10 @@ parameter), deciding with the cost model's constants for the chosen hardware
   reduced, the backend's scratch);
 - step time: the estimated forward and backward timelines (one compute and one
   communication stream, ``compshard.timeline``), whose length is the critical path
-  (compute plus the communication it waits for), plus the optimizer step (its bytes at
-  memory bandwidth, plus the machine's seconds per parameter tensor where its optimizer
-  loops over tensors: ``hardware="measured"`` times an AdamW step).
+  (compute plus the communication it waits for), plus the optimizer's bytes at memory
+  bandwidth, plus the machine's seconds per parameter tensor for the host work outside
+  the graphs (``hardware="measured"`` times it, and times the graphs' ops instead of
+  estimating them; see :class:`~compshard.hardware.Measured`).
 
 Depth: compiling a deep model takes minutes (Dynamo, AOTAutograd and the partitioner
 trace every block). With ``depth="auto"`` a model whose blocks form a stack of at least
@@ -56,10 +57,12 @@ from compshard import cost_model, hardware as hardware_presets
 from compshard.hardware import Hardware, Measured
 from compshard.ops import Layout
 from compshard.options import CompileOptions
+from compshard.passes.estimate_costs import SECONDS
 from compshard.passes.estimate_memory import SIMULATED_BACKENDS, backend_scratch_bytes, storages
 from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY, MB, nbytes, producer
 from compshard.report import Report, inspect
 from compshard.sharding import STRATEGIES
+from compshard.timeline import simulate
 
 __all__ = ["plan", "PlanReport", "MemoryEstimate", "StepEstimate", "default_candidates", "EXTRAPOLATE_FROM"]
 
@@ -99,7 +102,8 @@ class StepEstimate:
 
     forward: float
     backward: float
-    optimizer: float
+    optimizer: float  # the optimizer's bytes at memory bandwidth
+    outside_graphs: float  # per parameter tensor: guards, DTensor wrapping, per-tensor updates
     compute: float
     communication: float  # all collectives, hidden or not
     exposed_communication: float  # compute waiting for collectives
@@ -107,7 +111,7 @@ class StepEstimate:
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward + self.optimizer
+        return self.forward + self.backward + self.optimizer + self.outside_graphs
 
 
 @dataclass
@@ -125,6 +129,8 @@ class PlanReport:
         memory_capacity: the device's memory in bytes (None: not known).
         extrapolated: None, or (blocks compiled, blocks in the model, the stack's name)
             when the estimates were extended from a shallower copy (see ``depth``).
+        notes: what in the options holds the schedule back (e.g. buckets larger than
+            ``max_inflight_mb``, whose gathers cannot be prefetched).
         candidates: with ``memory_budget_gib``, a report per configuration tried.
         recommended: the fastest candidate that fits the budget (None: none fits).
         schedule: the :class:`~compshard.report.Report` planned on (the deeper copy when
@@ -142,6 +148,7 @@ class PlanReport:
     step: StepEstimate
     memory_capacity: int | None = None
     extrapolated: tuple[int, int, str] | None = None
+    notes: list[str] = field(default_factory=list)
     candidates: list["PlanReport"] = field(default_factory=list)
     recommended: "PlanReport | None" = None
     schedule: Report | None = field(default=None, repr=False)
@@ -175,7 +182,8 @@ class PlanReport:
     def __str__(self) -> str:
         m, s = self.memory, self.step
         fits = self.fits()
-        capacity = "" if fits is None else f" of {self.memory_capacity / GiB:.1f} ({'fits' if fits else 'does not fit'})"
+        capacity = "" if fits is None else \
+            f" of {self.memory_capacity / GiB:.1f} ({'fits' if fits else 'does not fit'})"
         memory = tabulate([[f"{v / GiB:.3f}" for v in (m.parameters, m.optimizer_state, m.gradients, m.activations,
                                                         m.gathered_parameters, m.collective_buffers, m.peak)]],
                           headers=["params", "optim state", "grads", "activations", "gathered params",
@@ -187,14 +195,16 @@ class PlanReport:
             f"memory per rank (GiB), peak in {m.peak_graph}{capacity}:",
             memory,
             f"step {s.total * 1e3:.1f} ms = forward {s.forward * 1e3:.1f} + backward {s.backward * 1e3:.1f} + "
-            f"optimizer {s.optimizer * 1e3:.1f}; critical path: compute {s.compute * 1e3:.1f} ms + exposed "
-            f"communication {s.exposed_communication * 1e3:.1f} ms ({self.communication_share:.1%} of the step; "
-            f"all collectives {s.communication * 1e3:.1f} ms)",
+            f"optimizer {s.optimizer * 1e3:.1f} + outside the graphs {s.outside_graphs * 1e3:.1f}",
+            f"critical path: compute {s.compute * 1e3:.1f} ms + exposed communication "
+            f"{s.exposed_communication * 1e3:.1f} ms ({self.communication_share:.1%} of the step; all collectives "
+            f"{s.communication * 1e3:.1f} ms)",
             f"tokens/s: {self.tokens_per_second_per_rank:,.0f} per rank, {self.tokens_per_second:,.0f} in all",
         ]
         waits = "; ".join(f"{graph} {what} {seconds * 1e3:.1f} ms" for graph, what, seconds in s.exposed_waits)
         if waits:
             lines.append(f"longest waits for communication: {waits}")
+        lines += [f"note: {note}" for note in self.notes]
         if self.candidates:
             lines.append(tabulate(
                 [[c.configuration(), f"{c.memory.peak / GiB:.3f}", f"{c.step.total * 1e3:.1f}",
@@ -303,7 +313,8 @@ def _check_setup(sharding: dict, options: dict, world_size: int, group_size: int
                          "(the mesh is built by plan)")
     strategy = sharding.get("strategy", "full_shard")
     if strategy not in STRATEGIES:
-        raise ValueError(f"compshard.plan: sharding strategy={strategy!r} is not allowed; use one of {list(STRATEGIES)}")
+        raise ValueError(f"compshard.plan: sharding strategy={strategy!r} is not allowed; use one of "
+                         f"{list(STRATEGIES)}")
     if strategy == "hybrid_shard" and (group_size < 1 or world_size % group_size or group_size == world_size):
         raise ValueError(f"compshard.plan: strategy='hybrid_shard' needs shard_group_size dividing world_size="
                          f"{world_size} into more than one group, got {group_size}")
@@ -449,8 +460,7 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
     peak_graph = max(estimates.peaks, key=lambda graph: sum(estimates.peaks[graph].values()))
     costs = job.machine.group_costs(range(shard_size), compute_dtype)
     # AdamW-like: read parameter, gradient and states; write parameter and states.
-    optimizer = ((3 + 2 * job.optimizer_states) * params / costs.bytes_per_second
-                 + tensors * job.machine.optimizer_tensor_seconds)
+    optimizer = (3 + 2 * job.optimizer_states) * params / costs.bytes_per_second
     exposed = estimates.exposed_communication
     return PlanReport(
         world_size=job.world_size, hardware=job.machine.name, sharding=sharding, shard_size=shard_size,
@@ -458,12 +468,22 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
         memory=MemoryEstimate(parameters=params, optimizer_state=job.optimizer_states * params,
                               peak_graph=peak_graph, **estimates.peaks[peak_graph]),
         step=StepEstimate(forward=estimates.forward, backward=estimates.backward, optimizer=optimizer,
+                          outside_graphs=tensors * job.machine.step_tensor_seconds,
                           compute=estimates.forward + estimates.backward - exposed,
                           communication=estimates.communication, exposed_communication=exposed,
                           exposed_waits=_longest_waits(schedule)),
         memory_capacity=job.machine.memory_bytes,
         extrapolated=None if extrapolation is None else (3, extrapolation[1], extrapolation[0]),
-        schedule=schedule)
+        notes=_notes(schedule, CompileOptions.from_dict(options)), schedule=schedule)
+
+
+def _notes(schedule: Report, options: CompileOptions) -> list[str]:
+    largest = max((bucket["bytes"] for bucket in schedule.buckets), default=0)
+    if largest <= options.max_inflight_mb * MB:
+        return []
+    return [f"buckets of up to {largest / MB:,.0f} MiB exceed max_inflight_mb={options.max_inflight_mb:g}: such a "
+            "bucket's all-gather may only be in flight alone, so it is not prefetched; max_inflight_mb >= "
+            f"{2 * largest / MB:,.0f} lets it overlap the previous bucket's compute"]
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype:
@@ -532,6 +552,7 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
         torch._dynamo.reset()  # planning's compiled code (on fake tensors) is of no further use
     if "backward" not in schedule.graphs:
         raise ValueError("compshard.plan: the model's output does not require grad; plan predicts a training step")
+    _price_with_timings(schedule, job.machine)
     timelines = schedule.timelines
     return _Estimates(
         peaks={kind: _peak_breakdown(gm, count_inputs=kind == "backward") for kind, gm in schedule.graphs.items()},
@@ -539,6 +560,21 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
         communication=sum(t.comm for t in timelines.values()),
         exposed_communication=sum(t.exposed_comm for t in timelines.values()),
     ), schedule
+
+
+def _price_with_timings(schedule: Report, machine: Hardware | Measured) -> None:
+    """Where the machine times ops (``"measured"``), the timings replace the scheduled
+    graphs' compute estimates, and the timelines are simulated again."""
+    timed = False
+    for gm in schedule.graphs.values():
+        for node in gm.graph.nodes:
+            if _kind(node) not in (*COLLECTIVE_KINDS, "wait", "free"):
+                seconds = machine.op_seconds(node)
+                if seconds is not None:
+                    node.meta[SECONDS] = seconds
+                    timed = True
+    if timed:
+        schedule.timelines = {kind: simulate(gm.graph) for kind, gm in schedule.graphs.items()}
 
 
 def _longest_waits(schedule: Report, count: int = 3) -> tuple[tuple[str, str, float], ...]:

@@ -14,7 +14,6 @@ import compshard
 from compshard.hardware import Measured
 from compshard.models import GPT, GPTConfig
 from tests.distributed import run_distributed
-from tests.models import TINY_GPT
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from harness import peak_tensor_bytes, state_bytes  # noqa: E402  (the benchmarks' measurement)
@@ -66,34 +65,50 @@ def _rank0_shard_bytes(model: torch.nn.Module, shard_size: int) -> int:
     return total
 
 
+# Four blocks, one collective per bucket (no collective joins two blocks), so a plan
+# extended from 2 and 3 blocks can be compared with the exact one.
+FOUR_BLOCKS = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)
+UNJOINED = {"bucket_mb": 0.001}
+
+
 @pytest.fixture(scope="module")
 def plans():
-    model = _meta_gpt(TINY_GPT)
-    x, y = _local_batch(TINY_GPT, 0, 8)
-    budgeted = compshard.plan(model, x, y, world_size=16, memory_budget_gib=1.0,
-                              candidates=[({}, {"recompute": "none"}), ({}, {"recompute": "full"})])
-    hybrid = compshard.plan(model, x, y, world_size=16, sharding={"strategy": "hybrid_shard"})
-    return model, x, budgeted, hybrid
+    model = _meta_gpt(FOUR_BLOCKS)
+    x, y = _local_batch(FOUR_BLOCKS, 0, 8)
+    exact = compshard.plan(model, x, y, world_size=16, options=UNJOINED, depth="exact", memory_budget_gib=1.0,
+                           candidates=[({}, {"recompute": "full"})])
+    hybrid = compshard.plan(model, x, y, world_size=16, options=UNJOINED, sharding={"strategy": "hybrid_shard"},
+                            depth="exact")
+    extrapolated = compshard.plan(model, x, y, world_size=16, options=UNJOINED, depth="extrapolate")
+    return model, x, exact, hybrid, extrapolated
 
 
 def test_plan_holds_rank0_shards_optimizer_state_and_a_consistent_step(plans):
-    model, x, full, hybrid = plans
+    model, x, full, hybrid, _ = plans
     assert full.memory.parameters == _rank0_shard_bytes(model, 16)
     assert hybrid.memory.parameters == _rank0_shard_bytes(model, 8)  # shard groups of one H100 node
     assert (hybrid.shard_size, hybrid.replicate_size) == (8, 2)
     for report in (full, hybrid):
         assert report.memory.optimizer_state == 2 * report.memory.parameters
         step = report.step
-        assert step.total == pytest.approx(step.forward + step.backward + step.optimizer)
+        assert step.total == pytest.approx(step.forward + step.backward + step.optimizer + step.outside_graphs)
         assert step.compute + step.exposed_communication == pytest.approx(step.forward + step.backward)
         assert report.tokens_per_second == pytest.approx(16 * x.numel() / step.total)
     kinds = {c["kind"] for c in hybrid.schedule.collectives}
     assert "all_reduce" in kinds and "all_reduce" not in {c["kind"] for c in full.schedule.collectives}
 
 
+def test_plan_extended_from_two_and_three_blocks_matches_the_exact_plan(plans):
+    *_, exact, _, extrapolated = plans
+    assert extrapolated.extrapolated == (3, 4, "blocks") and exact.extrapolated is None
+    assert extrapolated.memory == exact.memory
+    for name in ("forward", "backward", "communication", "exposed_communication", "optimizer"):
+        assert getattr(extrapolated.step, name) == pytest.approx(getattr(exact.step, name), rel=0.01), name
+
+
 def test_budget_recommends_the_fastest_fitting_candidate(plans):
-    _, _, report, _ = plans
-    assert [c.options for c in report.candidates] == [{"recompute": "none"}, {"recompute": "full"}]
+    report = plans[2]
+    assert [c.options for c in report.candidates] == [{**UNJOINED, "recompute": "full"}]
     fitting = [c for c in report.candidates if c.memory.peak <= 2**30]
     assert report.recommended is min(fitting, key=lambda c: c.step.total)
     assert "fastest fitting" in str(report)
@@ -107,6 +122,6 @@ def test_budget_recommends_the_fastest_fitting_candidate(plans):
     ({"world_size": 8, "options": {"prefetch": -1}}, "option 'prefetch' must be"),
 ])
 def test_bad_arguments_name_the_option(kwargs, message):
-    x, y = _local_batch(TINY_GPT, 0, 8)
+    x, y = _local_batch(FOUR_BLOCKS, 0, 8)
     with pytest.raises(ValueError, match=message):
-        compshard.plan(_meta_gpt(TINY_GPT), x, y, **kwargs)
+        compshard.plan(_meta_gpt(FOUR_BLOCKS), x, y, **kwargs)
