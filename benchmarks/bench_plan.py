@@ -40,11 +40,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
     add_workload_arguments(parser, per="run")
     parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="intra-op threads per rank (on a shared machine, OpenMP threads beyond the free cores "
+                             "wait on each other's time slices, and step times swing by a factor of two)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON file to write (default: benchmarks/results/plan_ws<world size>.json)")
     args = parser.parse_args(argv)
-    if min(args.steps, args.warmup, args.batch, args.layers) < 1:
-        parser.error("--steps, --warmup, --batch and --layers must be at least 1")
+    if min(args.steps, args.warmup, args.batch, args.layers, args.threads) < 1:
+        parser.error("--steps, --warmup, --batch, --layers and --threads must be at least 1")
     try:
         args.options = json.loads(args.options)
         if not isinstance(args.options, dict):
@@ -57,6 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 if __name__ == "__main__":
     ARGS = parse_args()  # before torch is imported: --help and a bad option answer at once
 
+import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
@@ -73,6 +77,7 @@ def error(predicted: float, measured: float) -> str:
 def main(args: argparse.Namespace) -> None:
     load_before = os.getloadavg()
     rank, world_size, device, cfg, reference, batch = start_workload(args)
+    torch.set_num_threads(args.threads)
     started = time.perf_counter()
     results = train({"compshard": lambda model: wrap_compshard(model, **args.options)}, reference, batch,
                     steps=args.steps, warmup=args.warmup, device=device)
@@ -106,7 +111,7 @@ def main(args: argparse.Namespace) -> None:
                        headers=["ranks", "predicted step ms", "measured step ms", "error", "predicted peak MiB",
                                 "measured peak MiB", "error", "plan s"]))
         config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                  "options": args.options}
+                  "options": args.options, "threads": args.threads}
         out = args.out or Path(__file__).resolve().parent / "results" / f"plan_ws{world_size}.json"
         write_results(out, device, config, started, [row], load_average_before_after=[load_before, os.getloadavg()])
     dist.monitored_barrier(timeout=PLAN_TIMEOUT)  # rank 0 was planning

@@ -135,7 +135,8 @@ H100_HBM2E_500W = replace(
            "NVIDIA H100 NVL datasheet (dense bf16 peak, FP32 60 TFLOP/s)",
 )
 
-A100_SXM_80GB = Hardware(
+A100_SXM_80GB = replace(
+    H100_SXM,  # the same latencies and efficiency assumptions
     name="a100-sxm-80gb",
     # NVIDIA A100 Tensor Core GPU datasheet, 80GB SXM: BF16 tensor 312 TFLOP/s dense, FP32
     # 19.5 TFLOP/s; HBM2e 2,039 GB/s; NVLink 600 GB/s (300 GB/s each way). DGX A100: 8 GPUs,
@@ -143,14 +144,8 @@ A100_SXM_80GB = Hardware(
     peak_flops={torch.bfloat16: 312e12, torch.float16: 312e12, torch.float32: 19.5e12},
     memory_bandwidth=2039 * GB,
     memory_bytes=80 * 10**9,
-    devices_per_node=8,
     intra_node=Link(bandwidth=300 * GB, latency=2e-6),
     inter_node=Link(bandwidth=25 * GB, latency=5e-6),
-    matmul_efficiency=0.7,
-    memory_efficiency=0.8,
-    link_efficiency=0.8,
-    op_overhead=5e-6,
-    collective_backend="nccl",
     source="NVIDIA A100 Tensor Core GPU datasheet (80GB SXM); NVIDIA DGX A100 datasheet (8x 200 Gb/s HDR)",
 )
 
@@ -162,12 +157,15 @@ class Measured:
     """``hardware="measured"``: this machine, timed (every process group alike).
 
     ``costs``: the cost model's constants, timed as calibration times them but sustained
-    (:func:`sustained_seconds`); the schedule is decided with them. The step is then
-    priced from timings: each op of the scheduled graphs run on random tensors of its
-    shapes (:meth:`op_seconds`; ops larger than ``OP_TIMING_BYTES`` keep the estimate),
-    and ``step_tensor_seconds`` per parameter tensor for what a step does outside its
-    graphs (guards, DTensor wrapping of parameters and gradients, gradient accumulation,
-    AdamW's update), timed on a compiled model whose graph does almost nothing."""
+    (:func:`sustained_seconds`) while every rank does the same, as in training; the
+    schedule is decided with them. The step is then priced from timings: each op of the
+    scheduled graphs run on random tensors of its shapes (:meth:`op_seconds`; ops larger
+    than ``OP_TIMING_BYTES`` keep the estimate), scaled by how much faster the
+    calibration's matmul runs now than it did then (the planning process may have the
+    machine to itself, training ranks share it), and ``step_tensor_seconds`` per
+    parameter tensor for what a step does outside its graphs (guards, DTensor wrapping
+    of parameters and gradients, gradient accumulation, AdamW's update), timed on a
+    compiled model whose graph does almost nothing."""
 
     costs: Costs
     collective_backend: str  # the process group's backend ("gloo" holds scratch buffers)
@@ -180,20 +178,26 @@ class Measured:
         return self.costs
 
     def op_seconds(self, node: fx.Node) -> float | None:
-        """Sustained seconds of ``node``'s op on random tensors of its arguments' shapes
-        (None: not timed: too large, or the op fails on such values). Timed once per
-        op and shapes."""
+        """Seconds of ``node``'s op on random tensors of its arguments' shapes, at the load
+        measured (None: not timed: too large, or the op fails on such values). Timed
+        once per op and shapes."""
         key = cost_model.signature(node)
         if key is None or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             return None
+        device = torch.device(self.device)
         if (key, self.device) not in _op_seconds:
-            _op_seconds[key, self.device] = _time_op(node, torch.device(self.device))
-        return _op_seconds[key, self.device]
+            _op_seconds[key, self.device] = _time_op(node, device)
+        if self not in _load_factors:  # the calibration's matmul, now against then
+            flops_now, _ = cost_model.measure_compute(device, sustained_seconds)
+            _load_factors[self] = flops_now / self.costs.flops_per_second
+        seconds = _op_seconds[key, self.device]
+        return None if seconds is None else seconds * _load_factors[self]
 
 
 OP_TIMING_BYTES = 256 * 2**20  # ops moving more bytes than this are estimated, not timed
 OP_TIMING_SECONDS = 0.005  # each op is run for at least this long
 _op_seconds: dict[tuple, float | None] = {}
+_load_factors: dict[Measured, float] = {}
 
 
 def _random_like(value: object, device: torch.device) -> object:

@@ -255,9 +255,9 @@ def plan(
             be a loss (or tensors) requiring grad: the step is its forward and backward.
         world_size: data-parallel ranks.
         hardware: a preset name (``compshard.hardware.PRESETS``), a
-            :class:`~compshard.hardware.Hardware`, or ``"measured"``: the constants
-            ``compshard.shard`` calibrates on the current process group (collective:
-            call on every rank).
+            :class:`~compshard.hardware.Hardware`, ``"measured"`` (this machine timed, on
+            the current process group: collective, call on every rank; see
+            :class:`~compshard.hardware.Measured`), or a ``Measured`` timed before.
         options: backend options, as for ``torch.compile(..., options=...)``.
         sharding: ``compshard.shard`` keywords (``strategy``, ``param_dtype``,
             ``reduce_dtype``, ``reshard_after_forward``, ...); the mesh is built here.
@@ -283,19 +283,22 @@ def plan(
         raise ValueError(f"compshard.plan: memory_budget_gib must be a number > 0 or None, got {memory_budget_gib!r}")
     if depth not in ("auto", "exact", "extrapolate"):
         raise ValueError(f"compshard.plan: depth={depth!r} is not allowed; use 'auto', 'exact' or 'extrapolate'")
+    if shard_group_size is not None and (not isinstance(shard_group_size, int) or shard_group_size < 1):
+        raise ValueError(f"compshard.plan: shard_group_size must be an int >= 1 or None, got {shard_group_size!r}")
     sharding, options = dict(sharding or {}), dict(options or {})
-    meta_model = _copy_model(model, _meta_like)
-    inputs = torch.utils._pytree.tree_map_only(torch.Tensor, _meta_like, (example_inputs, model_kwargs))
-    tokens = tokens_per_rank if tokens_per_rank is not None else _count_tokens(inputs)
-    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
-    machine = hardware_presets.resolve(hardware, device, world_size)
-    group_size = shard_group_size or getattr(machine, "devices_per_node", world_size)
+    preset = hardware_presets.PRESETS.get(hardware) if isinstance(hardware, str) else hardware
+    group_size = shard_group_size or getattr(preset, "devices_per_node", None) or world_size
     setups = [(sharding, options)]
     if memory_budget_gib is not None:
         grid = candidates if candidates is not None else default_candidates(world_size, group_size)
         setups += [({**sharding, **more_sharding}, {**options, **more_options}) for more_sharding, more_options in grid]
     for setup_sharding, setup_options in setups:
         _check_setup(setup_sharding, setup_options, world_size, group_size)
+    meta_model = _copy_model(model, _meta_like)
+    inputs = torch.utils._pytree.tree_map_only(torch.Tensor, _meta_like, (example_inputs, model_kwargs))
+    tokens = tokens_per_rank if tokens_per_rank is not None else _count_tokens(inputs)
+    device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
+    machine = hardware_presets.resolve(hardware, device, world_size)
     job = _Job(meta_model, inputs, machine, world_size, group_size, optimizer_states, tokens, depth)
     reports = _in_subprocess(_plan_all, job, setups) if dist.is_initialized() else _plan_all(job, setups)
     report = reports[0]
@@ -416,8 +419,10 @@ class _Estimates:
 
 def _in_subprocess(fn: Callable, *args: Any) -> Any:
     """``fn(*args)`` in a spawned process (a process group exists here, and a fake world
-    needs a process of its own)."""
-    with torch.multiprocessing.get_context("spawn").Pool(1) as pool:
+    needs a process of its own) with this process's intra-op threads, which ops timed
+    there run with."""
+    context = torch.multiprocessing.get_context("spawn")
+    with context.Pool(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
         return pool.apply(fn, args)
 
 

@@ -3,9 +3,9 @@
 Writes ``meta["compshard_seconds"]`` (compute nodes: FLOPs and bytes; collective starts:
 ``alpha + bytes * beta`` of the collective's own process group, twice for an all-reduce)
 and ``ctx.notes["costs"]`` (the constants of the graph's first group, which compute is
-estimated with). The constants were calibrated
-when the parameters were sharded and agreed across ranks (see ``cost_model``), so the
-decisions made from these estimates are the same on every rank.
+estimated with). The constants were calibrated when the parameters were sharded and
+agreed across ranks (see ``cost_model``), so the decisions made from these estimates are
+the same on every rank.
 """
 
 from __future__ import annotations
