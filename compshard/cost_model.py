@@ -22,9 +22,32 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["Costs", "calibrate", "costs_for", "collective_seconds", "node_seconds"]
+from compshard.ops import resolve_group
+
+__all__ = ["Costs", "calibrate", "costs_for", "collective_seconds", "node_seconds", "size_hint", "nbytes"]
+
+UNBACKED_SIZE_HINT = 8192  # what a data-dependent size is taken to be (Inductor's default)
+
+
+def size_hint(value: object) -> int:
+    """A size as a plain int: a symbolic size's example value (its hint), read without
+    installing a guard, so estimates made from it never make Dynamo recompile for a new
+    shape. Only for estimates: a decision made from a hint must be valid for any size."""
+    if isinstance(value, torch.SymInt):
+        return optimization_hint(value, fallback=UNBACKED_SIZE_HINT)
+    return int(value)
+
+
+def nbytes(val: object) -> int:
+    """Bytes of a (fake) tensor or a list of them, symbolic sizes at their hints."""
+    if isinstance(val, torch.Tensor):
+        return size_hint(val.numel()) * val.element_size()
+    if isinstance(val, (list, tuple)):
+        return sum(nbytes(v) for v in val)
+    return 0
 
 
 @dataclass(frozen=True)
@@ -52,8 +75,6 @@ def calibrate(group_name: str, device: torch.device) -> Costs:
     """Measure this group's link and this machine's FLOP rate once; agree across ranks."""
     if group_name in _calibrated:
         return _calibrated[group_name]
-    from compshard.ops import resolve_group
-
     group = resolve_group(group_name)
     world_size = dist.get_world_size(group)
     with torch.no_grad():
@@ -103,8 +124,6 @@ _seconds_cache: dict[tuple, float] = {}
 def _describe(value) -> object:
     """What an op's estimate depends on in one argument: a tensor's shape, strides and
     dtype (a symbolic size by its expression and hint: neither installs a guard)."""
-    from compshard.passes.fx_utils import size_hint
-
     if isinstance(value, torch.Tensor):
         return (tuple((str(n), size_hint(n)) for n in value.shape), tuple(map(str, value.stride())), value.dtype,
                 value.device.type)
@@ -134,8 +153,6 @@ def node_seconds(node: fx.Node, costs: Costs) -> float:
 
 
 def _node_seconds(node: fx.Node, args, kwargs, costs: Costs) -> float:
-    from compshard.passes.fx_utils import nbytes, size_hint  # the passes import this module
-
     val = node.meta.get("val")
     fake_mode = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(val) if hasattr(v, "fake_mode")), None)
     flops = 0

@@ -36,6 +36,8 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from compshard.ops import UnshardArgs
+
 __all__ = ["EagerReductions", "gather", "install_call_scope"]
 
 
@@ -102,10 +104,10 @@ class _DeferredGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, reductions: EagerReductions, item: _Pending,
-                unshard_args: tuple) -> torch.Tensor:
+                args: UnshardArgs) -> torch.Tensor:
         ctx.reductions, ctx.item = reductions, item
         item.node = weakref.ref(ctx)
-        return torch.ops.compshard.unshard(shard, *unshard_args)
+        return torch.ops.compshard.unshard(*args._replace(shard=shard))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
@@ -121,18 +123,16 @@ def gather(param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reduct
     by a collective (``communicates`` and sync mode ``reduce`` or ``fold``) and autograd
     records, the reduction is deferred to the end of backward; otherwise the op runs as is.
     """
-    from compshard.ops import UnshardArgs
-
     args = UnshardArgs(shard, *unshard_args)
     if not (communicates and args.grad_sync != "accumulate" and torch.is_grad_enabled() and param.requires_grad):
-        return torch.ops.compshard.unshard(shard, *unshard_args)
+        return torch.ops.compshard.unshard(*args)
     item = _Pending(param, (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
                             shard.dtype, args.replicate_group))
     if args.grad_sync == "fold":  # the gradient accumulated under no_sync joins this one's reduction
         item.grad = args.grad_sink
-        unshard_args = (*unshard_args[:-2], "reduce", None)
+        args = args._replace(grad_sync="reduce", grad_sink=None)
     reductions.pending.append(item)
-    return _DeferredGather.apply(shard, reductions, item, unshard_args)
+    return _DeferredGather.apply(shard, reductions, item, args)
 
 
 def _enter_call(unshard: Callable[[nn.Module, str], torch.Tensor], module: nn.Module, args: Any) -> None:
