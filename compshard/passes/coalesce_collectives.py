@@ -19,15 +19,15 @@ group, dtypes), the joined bytes fit ``bucket_mb`` and ``max_inflight_mb``, and 
 graph's estimated peak (``memory_model.live_bytes`` of the graph lowered with the
 candidate plan by the lowering passes, every all-gather starting at its wait as
 ``prefetch`` leaves them before it moves them) is no higher than with one collective per
-bucket. In backward the
-all-gathers are decided first, then the reduce-scatters with them.
+bucket. In backward the all-gathers are decided first, then the reduce-scatters with them.
 
 Cost: the graph is lowered once (one collective per bucket) and every candidate is
 priced from that copy's live-bytes profile (``PeakModel``: a sum over the positions,
 no graph work), so the pass is linear in the graph's size times the number of buckets
 in cheap list arithmetic; lowering a copy per candidate (what the model reproduces, and
 what it falls back to where it does not apply: ``lowered_peak``) was quadratic. Sizes
-are read at their hints (``cost_model.size_hint``), so dynamic shapes install no guard here.
+are read at their hints (``cost_model.size_hint``), so dynamic shapes install no guard
+here.
 
 Trade-off: a joined all-gather brings the later bucket's parameters in with the earlier
 one (held sooner, and not overlapped with the earlier bucket's compute); a joined
@@ -47,7 +47,6 @@ from torch import fx
 
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, MiB, node_meta
 from compshard.cost_model import nbytes
-from compshard.passes.memory_model import backend_scratch_bytes, live_bytes, storages
 from compshard.ops import group_size
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
@@ -56,6 +55,7 @@ from compshard.passes.fx_utils import (
 )
 from compshard.passes.lower_reduce_grad import lower_reduce_grad, reduced_in_bucket
 from compshard.passes.lower_unshard import gathered_remotely, lower_unshard
+from compshard.passes.memory_model import backend_scratch_bytes, live_bytes, storages
 from compshard.rank_exchange import exchange_across_ranks
 
 Plan = dict[str, list[list[str]]]  # collective kind -> bucket names per collective (a candidate Coalescing)

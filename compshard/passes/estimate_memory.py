@@ -12,8 +12,8 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.compile_plan import set_node_meta
-from compshard.passes.memory_model import live_bytes
 from compshard.passes.context import PassContext
+from compshard.passes.memory_model import live_bytes
 
 
 def estimate_memory(graph: fx.Graph, ctx: PassContext) -> int:
