@@ -125,8 +125,10 @@ def _describe(value) -> object:
     """What an op's estimate depends on in one argument: a tensor's shape, strides and
     dtype (a symbolic size by its expression and hint: neither installs a guard)."""
     if isinstance(value, torch.Tensor):
-        return (tuple((str(n), size_hint(n)) for n in value.shape), tuple(map(str, value.stride())), value.dtype,
-                value.device.type)
+        shape, stride = tuple(value.shape), tuple(value.stride())
+        if not all(type(n) is int for n in shape + stride):
+            shape, stride = tuple((str(n), size_hint(n)) for n in shape), tuple(map(str, stride))
+        return shape, stride, value.dtype, value.device.type
     if isinstance(value, (list, tuple)):
         return tuple(_describe(v) for v in value)
     return repr(value)

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 
 from compshard.ops import UnshardArgs
 
-__all__ = ["EagerReductions", "gather", "install_call_scope"]
+__all__ = ["EagerReductions", "gather", "install_call_scope", "needs_call_scope"]
 
 
 @dataclass
@@ -142,6 +142,22 @@ def _enter_call(unshard: Callable[[nn.Module, str], torch.Tensor], module: nn.Mo
 def _exit_call(module: nn.Module, args: Any, output: Any) -> None:
     if module._compshard_calls:
         module._compshard_calls.pop()
+
+
+# torch.nn modules whose forward reads each parameter exactly once, whatever the data:
+# a gather at that read is the gather at call entry, so they need no call scope (and
+# compile faster without its hooks: fewer traced calls and guards per module).
+_READS_EACH_PARAMETER_ONCE = frozenset(cls.forward for cls in (
+    nn.Linear, nn.Bilinear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.PReLU,
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+))
+
+
+def needs_call_scope(module: nn.Module) -> bool:
+    """Whether ``module``'s reads of its parameters could differ from one gather each at
+    call entry: any module but the torch.nn ones above with their own ``forward``."""
+    return type(module).forward not in _READS_EACH_PARAMETER_ONCE
 
 
 def install_call_scope(module: nn.Module, unshard: Callable[[nn.Module, str], torch.Tensor]) -> None:

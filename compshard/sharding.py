@@ -353,7 +353,8 @@ def shard(
         sub._compshard_specs = specs
         sub._compshard_grad_sync = grad_sync
         _install_properties(sub, names)
-        if sub is not module:  # the root's hooks would run outside its compiled forward, as graphs of their own
+        # The root's hooks would run outside its compiled forward, as graphs of their own.
+        if sub is not module and eager_gather.needs_call_scope(sub):
             eager_gather.install_call_scope(sub, _unshard)
     if buffer_dtype is not None:
         for sub in module.modules():

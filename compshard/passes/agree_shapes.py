@@ -58,6 +58,8 @@ def _group(graph: fx.Graph) -> str:
 def _agreed(everyone: list[list]) -> list | None:
     """Per node, the elementwise maximum shapes over ranks; None when the graphs differ."""
     mine = everyone[0]
+    if all(other == mine for other in everyone[1:]):  # the usual case: nothing to agree on
+        return mine
     if any(len(other) != len(mine) for other in everyone):
         return None
     agreed = []

@@ -87,13 +87,14 @@ def scheduled_kind(node: fx.Node) -> str | None:
 
 
 def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's position. For comparing a few nodes, compare the nodes themselves
+    (``a < b``: FX keeps an order key on every node), which costs no pass over the graph."""
     return {node: i for i, node in enumerate(graph.nodes)}
 
 
 def first_use(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
     """The earliest user of any of ``nodes``."""
-    order = node_order(graph)
-    return min((user for node in nodes for user in node.users), key=order.__getitem__)
+    return min(user for node in nodes for user in node.users)
 
 
 def aliases(node: fx.Node) -> list[fx.Node]:
@@ -205,18 +206,17 @@ def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
     copy to the GPU) move (a shard's path from the graph input), so moving cannot change
     what any node computes.
     """
-    order = node_order(anchor.graph)
     pending = [node]
     to_move: list[fx.Node] = []
     while pending:
         current = pending.pop()
-        if current.op == "placeholder" or order[current] < order[anchor] or current in to_move:
+        if current.op == "placeholder" or current < anchor or current in to_move:
             continue
         if not (is_view(current) or is_op(current, aten._to_copy.default)):
             raise RuntimeError(f"compshard: cannot move {current.format_node()} above {anchor.name}: not a view")
         to_move.append(current)
         pending.extend(current.all_input_nodes)
-    for moving in sorted(to_move, key=order.__getitem__):
+    for moving in sorted(to_move):
         anchor.prepend(moving)
 
 
@@ -224,15 +224,14 @@ def sink_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
     """Move ``nodes`` and everything that depends on them and precedes ``anchor`` to just
     above ``anchor``, keeping their order. Used to run users of a value that is now
     produced later (a bucket's unpacked gradient) after it; they only get delayed."""
-    order = node_order(anchor.graph)
     moving, pending = set(), list(nodes)
     while pending:
         node = pending.pop()
-        if node in moving or order[node] >= order[anchor]:
+        if node in moving or node >= anchor:
             continue
         moving.add(node)
         pending.extend(node.users)
-    for node in sorted(moving, key=order.__getitem__):
+    for node in sorted(moving):
         anchor.prepend(node)
 
 
