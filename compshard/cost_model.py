@@ -22,33 +22,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch.fx.experimental.symbolic_shapes import optimization_hint
 from torch.utils.flop_counter import FlopCounterMode
 
 from compshard.ops import resolve_group
+from compshard.sizes import nbytes, size_hint
 
-__all__ = ["Costs", "calibrate", "costs_for", "collective_seconds", "node_seconds", "size_hint", "nbytes"]
-
-UNBACKED_SIZE_HINT = 8192  # what a data-dependent size is taken to be (Inductor's default)
-
-
-def size_hint(value: object) -> int:
-    """A size as a plain int: a symbolic size's example value (its hint), read without
-    installing a guard, so estimates made from it never make Dynamo recompile for a new
-    shape. Only for estimates: a decision made from a hint must be valid for any size."""
-    if isinstance(value, torch.SymInt):
-        return optimization_hint(value, fallback=UNBACKED_SIZE_HINT)
-    return int(value)
-
-
-def nbytes(val: object) -> int:
-    """Bytes of a (fake) tensor or a list of them, symbolic sizes at their hints."""
-    if isinstance(val, torch.Tensor):
-        return size_hint(val.numel()) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(nbytes(v) for v in val)
-    return 0
-
+__all__ = ["Costs", "calibrate", "costs_for", "collective_seconds", "node_seconds"]
 
 @dataclass(frozen=True)
 class Costs:

@@ -28,6 +28,7 @@ import torch._logging
 from torch import fx
 
 from compshard.compile_plan import CompilePlan, GraphPlan, MiB
+from compshard.sizes import size_hint
 from compshard.timeline import simulate
 
 __all__ = ["log", "log_plan", "log_schedule", "warn", "format_mib"]
@@ -59,10 +60,23 @@ def format_mib(nbytes: float) -> str:
 
 
 def _artifact(name: str, encoding: str, payload_fn: Callable[[], Any]) -> None:
-    """A structured artifact (written only under TORCH_TRACE: ``payload_fn`` runs then)."""
+    """A structured artifact (written only under TORCH_TRACE: ``payload_fn`` runs then).
+    Symbolic sizes (a dynamic graph's byte counts) are written as their size hints."""
     torch._logging.trace_structured(
-        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn,
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
+        payload_fn=lambda: _plain(payload_fn()),
     )
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every SymInt replaced by its hint (JSON cannot hold a SymInt)."""
+    if isinstance(value, torch.SymInt):
+        return size_hint(value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
 
 
 def log_plan(plan: CompilePlan) -> None:

@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import fx
 
 from compshard.compile_plan import set_node_meta
-from compshard.cost_model import costs_for, node_seconds, size_hint
+from compshard.cost_model import costs_for, node_seconds
+from compshard.sizes import size_hint
 from compshard.ops import resolve_group
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (

@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch import fx
 
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, MiB, node_meta
-from compshard.cost_model import nbytes
+from compshard.sizes import nbytes
 from compshard.ops import group_size
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (

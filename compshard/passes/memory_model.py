@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from compshard.cost_model import nbytes
+from compshard.sizes import nbytes
 from compshard.ops import resolve_group
 from compshard.passes.fx_utils import (
     c10d, compshard_ops, first_arg, is_op, is_view, op_arg, producer, scheduled_kind,

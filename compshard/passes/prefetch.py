@@ -34,7 +34,7 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.compile_plan import MiB, Prefetch, node_meta
-from compshard.cost_model import nbytes
+from compshard.sizes import nbytes
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import aten, is_op, is_view, scheduled_kind, start_gathers_at_waits
 from compshard.passes.memory_model import LiveProfile, backend_scratch_bytes

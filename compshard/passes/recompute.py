@@ -51,7 +51,8 @@ from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compshard.compile_plan import MiB, RecomputePlan
-from compshard.cost_model import Costs, costs_for, nbytes, node_seconds
+from compshard.cost_model import Costs, costs_for, node_seconds
+from compshard.sizes import nbytes
 from compshard.logs import warn
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
