@@ -32,6 +32,9 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from compshard.ops import resolve_group
+from compshard.sizes import nbytes, size_hint
+
 __all__ = ["Costs", "Timer", "assumed", "calibrate", "costs_for", "collective_seconds", "measure_compute",
            "measure_costs", "median_seconds", "node_seconds", "signature"]
 
@@ -106,8 +109,6 @@ def measure_costs(group: dist.ProcessGroup, device: torch.device, timer: Timer =
 def calibrate(group_name: str, device: torch.device) -> Costs:
     """Measure this group's link and this machine's FLOP rate once; agree across ranks."""
     if group_name not in _calibrated:
-        from compshard.ops import resolve_group
-
         _calibrated[group_name] = measure_costs(resolve_group(group_name), device)
     return _calibrated[group_name]
 
@@ -146,11 +147,11 @@ _seconds_cache: dict[tuple, float] = {}
 def _describe(value) -> object:
     """What an op's estimate depends on in one argument: a tensor's shape, strides and
     dtype (a symbolic size by its expression and hint: neither installs a guard)."""
-    from compshard.passes.fx_utils import size_hint
-
     if isinstance(value, torch.Tensor):
-        return (tuple((str(n), size_hint(n)) for n in value.shape), tuple(map(str, value.stride())), value.dtype,
-                value.device.type)
+        shape, stride = tuple(value.shape), tuple(value.stride())
+        if not all(type(n) is int for n in shape + stride):
+            shape, stride = tuple((str(n), size_hint(n)) for n in shape), tuple(map(str, stride))
+        return shape, stride, value.dtype, value.device.type
     if isinstance(value, (list, tuple)):
         return tuple(_describe(v) for v in value)
     return repr(value)
@@ -205,8 +206,6 @@ _EXTRA_FLOP_FORMULAS = {
 
 
 def _node_seconds(node: fx.Node, args, kwargs, costs: Costs) -> float:
-    from compshard.passes.fx_utils import nbytes, size_hint  # the passes import this module
-
     val = node.meta.get("val")
     fake_mode = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(val) if hasattr(v, "fake_mode")), None)
     flops = 0

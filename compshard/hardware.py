@@ -31,10 +31,13 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.distributed.device_mesh import init_device_mesh
 
 from compshard import cost_model
+from compshard.backend import compshard_backend
 from compshard.cost_model import Costs
-from compshard.passes.fx_utils import nbytes, size_hint
+from compshard.sharding import shard
+from compshard.sizes import nbytes, size_hint
 
 __all__ = ["Link", "Hardware", "Measured", "PRESETS", "measure", "resolve"]
 
@@ -282,15 +285,12 @@ def _step_seconds_per_tensor(device: torch.device, tensors: int = 32) -> float:
     """Sustained seconds per parameter tensor of a compiled training step (forward,
     backward, AdamW step, ``zero_grad``) of :class:`_Scalars` sharded over this rank
     alone (DTensors as on the real mesh; nothing to communicate)."""
-    import compshard
-    from torch.distributed.device_mesh import init_device_mesh
-
     mesh = None
     if dist.is_initialized():  # collective: every rank makes the (world, 1) mesh
         mesh = init_device_mesh(device.type, (dist.get_world_size(), 1), mesh_dim_names=("ranks", "own"))["own"]
-    model = compshard.shard(_Scalars(tensors).to(device), mesh=mesh)
+    model = shard(_Scalars(tensors).to(device), mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters())
-    compiled = torch.compile(model, backend="compshard")
+    compiled = torch.compile(model, backend=compshard_backend)
     x = torch.ones(2, device=device)
 
     def step() -> None:

@@ -9,7 +9,7 @@ parameter), deciding with the cost model's constants for the chosen hardware
 (:mod:`compshard.hardware`). The prediction reads that schedule:
 
 - memory per rank: parameter shards and optimizer state at rest, plus the estimated bytes
-  live at the step's peak (``passes/estimate_memory.py``), split by what holds them:
+  live at the step's peak (``passes/memory_model.py``), split by what holds them:
   activations, gathered parameters, gradients, collective buffers (gradients being
   reduced, the backend's scratch);
 - step time: the estimated forward and backward timelines (one compute and one
@@ -54,14 +54,15 @@ from tabulate import tabulate
 from torch import fx, nn
 
 from compshard import cost_model, hardware as hardware_presets
+from compshard.compile_plan import COLLECTIVE_KINDS, MiB, node_meta, set_node_meta
 from compshard.hardware import Hardware, Measured
-from compshard.ops import Layout
+from compshard.ops import ShardLayout
 from compshard.options import CompileOptions
-from compshard.passes.estimate_costs import SECONDS
-from compshard.passes.estimate_memory import SIMULATED_BACKENDS, backend_scratch_bytes, storages
-from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY, MB, nbytes, producer
+from compshard.passes.fx_utils import producer
+from compshard.passes.memory_model import backend_scratch_bytes, simulated_backends, storages
 from compshard.report import Report, inspect
-from compshard.sharding import STRATEGIES
+from compshard.sizes import nbytes
+from compshard.sharding import STRATEGIES, shard
 from compshard.timeline import simulate
 
 __all__ = ["plan", "PlanReport", "MemoryEstimate", "StepEstimate", "default_candidates", "EXTRAPOLATE_FROM"]
@@ -443,7 +444,7 @@ def _extrapolation(job: _Job, sharding: dict, options: CompileOptions) -> tuple[
     dtype = sharding.get("param_dtype")
     block_bytes = sum(p.numel() * (dtype or p.dtype).itemsize for p in stack[1][0].parameters())
     independent = (options.buckets == "auto" and options.memory_budget_mb is None
-                   and not isinstance(options.recompute, dict) and block_bytes > options.bucket_mb * MB)
+                   and not isinstance(options.recompute, dict) and block_bytes > options.bucket_mb * MiB)
     return (stack[0], len(stack[1])) if independent and len(stack[1]) >= EXTRAPOLATE_FROM else None
 
 
@@ -484,11 +485,11 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
 
 def _notes(schedule: Report, options: CompileOptions) -> list[str]:
     largest = max((bucket["bytes"] for bucket in schedule.buckets), default=0)
-    if largest <= options.max_inflight_mb * MB:
+    if largest <= options.max_inflight_mb * MiB:
         return []
-    return [f"buckets of up to {largest / MB:,.0f} MiB exceed max_inflight_mb={options.max_inflight_mb:g}: such a "
+    return [f"buckets of up to {largest / MiB:,.0f} MiB exceed max_inflight_mb={options.max_inflight_mb:g}: such a "
             "bucket's all-gather may only be in flight alone, so it is not prefetched; max_inflight_mb >= "
-            f"{2 * largest / MB:,.0f} lets it overlap the previous bucket's compute"]
+            f"{2 * largest / MiB:,.0f} lets it overlap the previous bucket's compute"]
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype:
@@ -502,7 +503,7 @@ def _parameter_dtype(model: nn.Module) -> torch.dtype:
 def _rank0_shard_bytes(model: nn.Module, shard_size: int) -> tuple[int, int]:
     """(bytes of rank 0's rows of every parameter, number of parameter tensors)."""
     params = list({id(p): p for p in model.parameters()}.values())
-    local = [Layout(tuple(p.shape), shard_size, rank=0).local_shape for p in params]
+    local = [ShardLayout(tuple(p.shape), shard_size, rank=0).local_shape for p in params]
     return sum(math.prod(shape) * p.element_size() for shape, p in zip(local, params)), len(params)
 
 
@@ -521,14 +522,8 @@ def _fake_world(world_size: int, shard_size: int, machine: Hardware | Measured,
         mesh = init_device_mesh("cpu", shape)
         groups = {mesh.get_group(dim) for dim in range(mesh.ndim)}
         costs = {g.group_name: machine.group_costs(dist.get_process_group_ranks(g), compute_dtype) for g in groups}
-        backends = {name: machine.collective_backend for name in costs}
-        SIMULATED_BACKENDS.update(backends)
-        try:
-            with cost_model.assumed(costs):
-                yield mesh
-        finally:
-            for name in backends:
-                SIMULATED_BACKENDS.pop(name, None)
+        with cost_model.assumed(costs), simulated_backends(dict.fromkeys(costs, machine.collective_backend)):
+            yield mesh
     finally:
         dist.destroy_process_group()
 
@@ -538,8 +533,6 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
     """The adapter to the backend: compile a fake copy of ``meta_model``, sharded at
     ``job.world_size`` ranks, with ``compshard.inspect``; read the schedule's estimates."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-
-    import compshard
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
 
@@ -551,17 +544,20 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
     args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, fake_like, job.inputs)
     try:
         with _fake_world(job.world_size, shard_size, job.machine, compute_dtype) as mesh:
-            compshard.shard(model, mesh=mesh, **sharding)
+            shard(model, mesh=mesh, **sharding)
             schedule = inspect(model, *args, options=options, **kwargs)
     finally:
         torch._dynamo.reset()  # planning's compiled code (on fake tensors) is of no further use
-    if "backward" not in schedule.graphs:
+    kinds = {name: name.partition(".")[0] for name in schedule.graphs}  # "forward.1" -> "forward"
+    if "backward" not in kinds.values():
         raise ValueError("compshard.plan: the model's output does not require grad; plan predicts a training step")
     _price_with_timings(schedule, job.machine)
     timelines = schedule.timelines
     return _Estimates(
-        peaks={kind: _peak_breakdown(gm, count_inputs=kind == "backward") for kind, gm in schedule.graphs.items()},
-        forward=timelines["forward"].total, backward=timelines["backward"].total,
+        peaks={name: _peak_breakdown(gm, count_inputs=kinds[name] == "backward")
+               for name, gm in schedule.graphs.items()},
+        forward=sum(timelines[name].total for name, kind in kinds.items() if kind == "forward"),
+        backward=sum(timelines[name].total for name, kind in kinds.items() if kind == "backward"),
         communication=sum(t.comm for t in timelines.values()),
         exposed_communication=sum(t.exposed_comm for t in timelines.values()),
     ), schedule
@@ -576,7 +572,7 @@ def _price_with_timings(schedule: Report, machine: Hardware | Measured) -> None:
             if _kind(node) not in (*COLLECTIVE_KINDS, "wait", "free"):
                 seconds = machine.op_seconds(node)
                 if seconds is not None:
-                    node.meta[SECONDS] = seconds
+                    set_node_meta(node, seconds=seconds)
                     timed = True
     if timed:
         schedule.timelines = {kind: simulate(gm.graph) for kind, gm in schedule.graphs.items()}
@@ -589,8 +585,8 @@ def _longest_waits(schedule: Report, count: int = 3) -> tuple[tuple[str, str, fl
         nodes = {node.name: node for node in schedule.graphs[kind].graph.nodes}
         for span in timeline.spans:
             if span.kind == "wait" and span.end > span.start:
-                meta = nodes[span.name].meta.get(META_KEY, {})
-                waits.append((kind, meta.get("bucket") or meta.get("unit", ""), span.end - span.start))
+                meta = node_meta(nodes[span.name])
+                waits.append((kind, meta.bucket or meta.unit, span.end - span.start))
     return tuple(sorted(waits, key=lambda wait: -wait[2])[:count])
 
 
@@ -598,7 +594,7 @@ def _longest_waits(schedule: Report, count: int = 3) -> tuple[tuple[str, str, fl
 
 
 def _peak_breakdown(gm: fx.GraphModule, count_inputs: bool) -> dict[str, int]:
-    """The storages live while the graph's peak node runs (as ``estimate_memory`` counts
+    """The storages live while the graph's peak node runs (as the memory model counts
     them), summed by what holds them."""
     events = storages(gm.graph, count_inputs)
     live = peak = peak_index = 0
@@ -607,8 +603,7 @@ def _peak_breakdown(gm: fx.GraphModule, count_inputs: bool) -> dict[str, int]:
         if live > peak:
             peak, peak_index = live, index
         live -= events.released.get(index, 0)
-    started = {meta["collective"]: meta["kind"] for node in events.nodes
-               if (meta := node.meta.get(META_KEY)) and meta["kind"] in COLLECTIVE_KINDS}
+    started = {meta.collective: meta.kind for node in events.nodes if (meta := node_meta(node)).kind in COLLECTIVE_KINDS}
     awaiting_reduction = {root for node in events.nodes if _side(node, started) == "reduce" and _kind(node) == "pack"
                           for root in (events.roots.get(i) for i in node.all_input_nodes) if root is not None}
     totals = dict.fromkeys(_HOLDERS, 0)
@@ -624,20 +619,19 @@ def _peak_breakdown(gm: fx.GraphModule, count_inputs: bool) -> dict[str, int]:
 
 
 def _kind(node: fx.Node) -> str | None:
-    meta = node.meta.get(META_KEY)
-    return meta["kind"] if meta else None
+    return node_meta(node).kind
 
 
 def _side(node: fx.Node, started: dict[str, str]) -> str | None:
     """``"gather"`` or ``"reduce"``: which lowering made a scheduled node; None for others.
     A node whose collective never starts is a local cast: of a parameter when it has no
     collective label, else of a gradient."""
-    meta = node.meta.get(META_KEY)
-    if meta is None:
+    meta = node_meta(node)
+    if meta.kind is None:
         return None
-    kind = started.get(meta["collective"])
+    kind = started.get(meta.collective)
     if kind is None:
-        return "gather" if meta["collective"] is None else "reduce"
+        return "gather" if meta.collective is None else "reduce"
     return "gather" if kind == "all_gather" else "reduce"
 
 
