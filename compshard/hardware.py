@@ -67,7 +67,7 @@ class Hardware:
     memory_efficiency: float  # fraction of memory bandwidth ops without FLOPs move bytes at
     link_efficiency: float  # fraction of link bandwidth a collective achieves
     op_overhead: float  # seconds each op costs beyond its FLOPs or bytes
-    collective_backend: str  # "nccl": collectives need no scratch memory (see estimate_memory)
+    collective_backend: str  # "nccl": collectives need no scratch memory (see passes/memory_model.py)
     source: str = field(default="", compare=False)
     # Host work per parameter tensor and step outside the graphs (guards, DTensor
     # wrapping; torch.optim's foreach AdamW on CUDA updates all tensors in a few kernels):
