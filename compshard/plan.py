@@ -554,7 +554,7 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
     _price_with_timings(schedule, job.machine)
     timelines = schedule.timelines
     return _Estimates(
-        peaks={name: _peak_breakdown(gm, count_inputs=kinds[name] == "backward")
+        peaks={name: _peak_breakdown(gm, _inputs_storage(schedule.graphs, name, kinds[name]))
                for name, gm in schedule.graphs.items()},
         forward=sum(timelines[name].total for name, kind in kinds.items() if kind == "forward"),
         backward=sum(timelines[name].total for name, kind in kinds.items() if kind == "backward"),
@@ -593,28 +593,49 @@ def _longest_waits(schedule: Report, count: int = 3) -> tuple[tuple[str, str, fl
 # ------------------------------------------------------------------------- memory at the peak
 
 
-def _peak_breakdown(gm: fx.GraphModule, count_inputs: bool) -> dict[str, int]:
+def _inputs_storage(graphs: dict[str, fx.GraphModule], name: str, kind: str) -> set[str] | None:
+    """For a backward graph, the names of its inputs that the forward saved from its own
+    inputs' storage (parameter shards, the batch, views of them): at run time they are
+    the tensors held outside the graphs (the parameters, counted at rest; the batch, by
+    the caller), not memory of their own. The partitioner names each backward input
+    after the forward value it saves. None for other graphs: their inputs are not counted."""
+    if kind != "backward":
+        return None
+    forward = graphs[name.replace("backward", "forward", 1)].graph
+    roots = storages(forward, count_inputs=False).roots
+    return {node.name for node in forward.nodes
+            if roots[node] is None and not isinstance(node.meta.get("val"), (list, tuple))}
+
+
+def _peak_breakdown(gm: fx.GraphModule, inputs_storage: set[str] | None) -> dict[str, int]:
     """The storages live while the graph's peak node runs (as the memory model counts
-    them), summed by what holds them."""
-    events = storages(gm.graph, count_inputs)
-    live = peak = peak_index = 0
-    for index, node in enumerate(events.nodes):
-        live += events.allocates.get(node, 0)
-        if live > peak:
-            peak, peak_index = live, index
-        live -= events.released.get(index, 0)
+    them, inputs counted when ``inputs_storage`` is given, except those named in it),
+    summed by what holds them."""
+    events = storages(gm.graph, count_inputs=inputs_storage is not None)
     started = {meta.collective: meta.kind for node in events.nodes if (meta := node_meta(node)).kind in COLLECTIVE_KINDS}
     awaiting_reduction = {root for node in events.nodes if _side(node, started) == "reduce" and _kind(node) == "pack"
                           for root in (events.roots.get(i) for i in node.all_input_nodes) if root is not None}
-    totals = dict.fromkeys(_HOLDERS, 0)
+    spans = []  # (first index live, last index live, bytes, holder)
     for node in events.nodes:
-        if events.roots[node] is node and events.order[producer(node)] <= peak_index <= events.release_index(node):
-            totals[_holder(node, started, awaiting_reduction)] += nbytes(node.meta.get("val"))
+        if events.roots[node] is node and not (node.op == "placeholder" and node.name in (inputs_storage or ())):
+            spans.append((events.order[producer(node)], events.release_index(node), nbytes(node.meta.get("val")),
+                          _holder(node, started, awaiting_reduction)))
         scratch = backend_scratch_bytes(node)
-        if scratch and events.order[node] <= peak_index <= events.order[next(iter(node.users))]:
-            totals["collective_buffers"] += scratch
-    if sum(totals.values()) != peak:
-        raise AssertionError(f"compshard.plan: peak breakdown {totals} does not add up to the estimate {peak}")
+        if scratch:
+            spans.append((events.order[node], events.order[next(iter(node.users))], scratch, "collective_buffers"))
+    change = [0] * (len(events.nodes) + 1)
+    for first, last, size, _ in spans:
+        change[first] += size
+        change[last + 1] -= size
+    live, peak, peak_index = 0, 0, 0
+    for index in range(len(events.nodes)):
+        live += change[index]
+        if live > peak:
+            peak, peak_index = live, index
+    totals = dict.fromkeys(_HOLDERS, 0)
+    for first, last, size, holder in spans:
+        if first <= peak_index <= last:
+            totals[holder] += size
     return totals
 
 
