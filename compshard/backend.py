@@ -6,7 +6,8 @@ options={...})`` and are validated before anything is traced.
 
 Execution: ``codegen="fx"`` (default) runs each scheduled graph as generated Python with
 the boxed calling convention, so inputs and intermediates are released after their last
-use; ``codegen="inductor"`` compiles the scheduled graphs with Inductor.
+use; ``codegen="inductor"`` compiles the compute between compshard's scheduled nodes with
+Inductor and runs those nodes where the passes put them (:mod:`compshard.inductor_regions`).
 """
 
 from __future__ import annotations
@@ -31,26 +32,29 @@ _capture: list["CompiledGraph"] | None = None
 class CompiledGraph:
     """One scheduled graph, as compshard.inspect reports it."""
 
-    def __init__(self, kind: str, gm: fx.GraphModule, ctx: PassContext) -> None:
+    def __init__(self, kind: str, gm: fx.GraphModule, ctx: PassContext, codegen: str) -> None:
         self.kind = kind
         self.gm = gm
         self.notes = ctx.notes
         self.shared = ctx.shared
+        self.codegen = codegen  # how it runs, e.g. "fx" or "inductor (5 compiled regions)"
 
 
-def _executor(gm: fx.GraphModule, example_inputs: Sequence[Any], options: CompileOptions, kind: str) -> Callable:
+def _executor(gm: fx.GraphModule, options: CompileOptions, kind: str) -> tuple[Callable, str]:
+    """The boxed callable that runs the scheduled ``gm``, and how it runs (for inspect)."""
     if options.codegen == "inductor":
-        from torch._inductor.compile_fx import compile_fx_inner
+        from compshard.inductor_regions import compile_regions
 
-        return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
+        run, regions = compile_regions(gm, kind)
+        return run, f"inductor ({regions} compiled region{'s' if regions != 1 else ''})"
     boxed_codegen = getattr(fx.graph, "_BoxedCodeGen", None)
     if boxed_codegen is not None:
         gm.graph.set_codegen(boxed_codegen())
         gm.recompile()  # GraphModule._boxed_call now reports the boxed convention to AOTAutograd
-        return gm
+        return gm, "fx"
     from torch._functorch.aot_autograd import make_boxed_func
 
-    return make_boxed_func(gm.forward)
+    return make_boxed_func(gm.forward), "fx"
 
 
 def _graph_compiler(kind: str, options: CompileOptions, shared: dict) -> Callable:
@@ -60,9 +64,10 @@ def _graph_compiler(kind: str, options: CompileOptions, shared: dict) -> Callabl
         if kind == "inference":  # no joint graph: its passes made the bucket plan
             logs.log_joint(shared)
         logs.log_schedule(kind, gm, ctx.notes)
+        executor, codegen = _executor(gm, options, kind)
         if _capture is not None:
-            _capture.append(CompiledGraph(kind, gm, ctx))
-        return _executor(gm, example_inputs, options, kind)
+            _capture.append(CompiledGraph(kind, gm, ctx, codegen))
+        return executor
 
     return compile_graph
 

@@ -64,6 +64,9 @@ class Report:
             sizes, dtypes, offload), shown first in ``str(report)``.
         pass_seconds: graph kind ("dynamo", "joint", "forward", ...) -> pass name -> wall
             seconds that pass took while compiling.
+        codegen: graph kind -> how the scheduled graph runs: ``"fx"``, or ``"inductor (N
+            compiled regions)"`` (the compute between scheduled nodes, compiled by
+            Inductor; see :mod:`compshard.inductor_regions`).
     """
 
     def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None,
@@ -72,6 +75,7 @@ class Report:
         self.graphs: dict[str, fx.GraphModule] = {g.kind: g.gm for g in compiled}
         self.fingerprints = {g.kind: g.notes["fingerprint"] for g in compiled}
         self.peak_bytes = {g.kind: g.notes["peak_bytes"] for g in compiled}
+        self.codegen = {g.kind: g.codegen for g in compiled}
         self.timelines: dict[str, Timeline] = {kind: simulate(gm.graph) for kind, gm in self.graphs.items()}
         self.measured_trace = measured_trace
         self.recompute: RecomputeNote | None = compiled[0].shared.get("recompute")
@@ -154,7 +158,7 @@ class Report:
         ]
         summary = [
             [kind, f"{t.total * 1e3:.3f}", f"{(t.total - t.exposed_comm) * 1e3:.3f}", f"{t.comm * 1e3:.3f}",
-             f"{t.exposed_comm * 1e3:.3f}", _mib(self.peak_bytes[kind]), self.fingerprints[kind]]
+             f"{t.exposed_comm * 1e3:.3f}", _mib(self.peak_bytes[kind]), self.fingerprints[kind], self.codegen[kind]]
             for kind, t in self.timelines.items()
         ]
         sharding = [] if self.config is None else [
@@ -167,7 +171,7 @@ class Report:
             tabulate(buckets, headers=["bucket", "params", "gathered", "kept fw->bw", "prefetch (gathers ahead)"])
             if buckets else "no buckets (one rank: nothing to gather)",
             tabulate(summary, headers=["graph", "est ms", "compute ms", "comm ms", "exposed comm ms", "peak live",
-                                       "fingerprint"]),
+                                       "fingerprint", "codegen"]),
             *([self.recompute.describe()] if self.recompute else []),
         ])
 

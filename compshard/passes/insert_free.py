@@ -5,8 +5,8 @@ flat tensor its parameters are unpacked into) live until Python drops the last r
 After: a ``compshard::free(value)`` node directly after the last user of any alias of
 each one, releasing its storage at that point even if something else still holds a
 reference. A value with an alias among the graph outputs is left alone: it is saved for
-backward (a kept bucket) and autograd releases it after use. Frees are not inserted for
-Inductor codegen, which plans buffer lifetimes itself.
+backward (a kept bucket) and autograd releases it after use. Both codegens run the
+frees (Inductor compiles only the compute between scheduled nodes).
 """
 
 from __future__ import annotations
@@ -27,8 +27,6 @@ def escapes(buffer: fx.Node) -> bool:
 
 
 def insert_free(gm: fx.GraphModule, ctx: PassContext) -> None:
-    if ctx.options.codegen == "inductor":
-        return
     graph = gm.graph
     order = node_order(graph)
     for buffer in gathered_buffers(graph):
