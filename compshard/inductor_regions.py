@@ -24,9 +24,9 @@ What holds:
   regions take their inputs boxed, so Inductor releases an input after its last use
   inside the region. A value outlives its fx-codegen lifetime only inside a region
   (Inductor's own planning there), never across an owned node.
-- A region's outputs keep the strides the graph's metadata gives them (Inductor's
-  ``keep_output_stride``), so owned nodes and later regions see the layouts the passes
-  traced.
+- A region's outputs keep the strides the graph's metadata gives them (marked as user
+  outputs, whose strides Inductor keeps), so owned nodes and later regions see the
+  layouts the passes traced.
 
 Trade-off: Inductor fuses only within a region, so no fusion crosses a collective,
 pack, unpack or free (a few cuts per bucket); and each region is one Inductor compile.
@@ -119,7 +119,10 @@ def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Nod
         args, kwargs = fx.map_arg((node.args, node.kwargs), lookup)
         env[node] = graph.create_node(node.op, node.target, args, kwargs)
         env[node].meta = dict(node.meta)
-    graph.output(tuple(env[value] for value in outputs))
+    result = graph.output(tuple(env[value] for value in outputs))
+    # Every output keeps the strides of its metadata (what torch.compile's own front end
+    # marks for a graph's user outputs): later steps were traced with those layouts.
+    result.meta["user_visible_output_idxs"] = list(range(len(outputs)))
     return fx.GraphModule(gm, graph)
 
 
