@@ -48,7 +48,6 @@ def first_step_seconds(system: str, reference: torch.nn.Module, batch: tuple, op
     over ranks), and for compshard the seconds per pass summed over its graphs."""
     torch._dynamo.reset()
     model = copy.deepcopy(reference)
-    captured: list = []
     if system == "compshard":
         compshard.shard(model)
         compiled = torch.compile(model, backend="compshard", options=options)
@@ -57,24 +56,18 @@ def first_step_seconds(system: str, reference: torch.nn.Module, batch: tuple, op
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if dist.is_initialized():
         dist.barrier()
-    previous, backend._capture = backend._capture, captured
-    try:
+    with backend.record_compiles() as captured:
         start = time.perf_counter()
         loss = compiled(*batch)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-    finally:
-        backend._capture = previous
+    plans = {graph.plan.number: graph.plan for graph in captured}  # each compile's plan as of its last graph
     passes: dict[str, float] = {}
-    seen = set()
-    for graph in captured:
-        if id(graph.shared) in seen:
-            continue
-        seen.add(id(graph.shared))
-        for seconds in graph.shared.get("pass_seconds", {}).values():
-            for name, value in seconds.items():
+    for plan in plans.values():
+        for graph_plan in plan.graphs:
+            for name, value in graph_plan.pass_seconds:
                 passes[name] = passes.get(name, 0.0) + value
     slowest = torch.tensor([elapsed], dtype=torch.float64)
     if dist.is_initialized():

@@ -82,7 +82,7 @@ from compshard.kernels import _triton_launch  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 assert tuple(DTYPES) == DTYPE_NAMES
-MB = 1 << 20
+MiB = 1 << 20
 
 
 def log(message: str) -> None:
@@ -256,14 +256,14 @@ def main(args) -> int:
     log(f"device: {device_name}; kernels run via: {backend}")
 
     log(f"measuring device-to-device copy bandwidth ({args.d2d_mb:g} MiB) ...")
-    d2d = d2d_bandwidth(int(args.d2d_mb * MB), timer, device)
+    d2d = d2d_bandwidth(int(args.d2d_mb * MiB), timer, device)
     log(f"  D2D copy: {d2d:.1f} GB/s")
 
     configs = [(k, s, n) for k in args.kernels for s in args.sizes_mb for n in args.params]
     rows, failures = [], []
     for index, (kind, size_mb, num_params) in enumerate(configs, 1):
         log(f"[{index}/{len(configs)}] {kind} {size_mb:g} MiB, {num_params} params ...")
-        ours, baseline, check, moved, S = make_case(kind, int(size_mb * MB), num_params, args, device)
+        ours, baseline, check, moved, S = make_case(kind, int(size_mb * MiB), num_params, args, device)
         ok = None
         if not args.no_check:
             ok = bool(check())

@@ -68,28 +68,28 @@ FIXED_POLICIES = ("none", "selective", "full")
 
 
 def saved_for_backward(reference: torch.nn.Module, batch: tuple[torch.Tensor, ...], policy) -> dict:
-    """The recompute note of one compile under ``policy`` (compshard.inspect)."""
+    """The recompute plan of one compile under ``policy`` (compshard.inspect)."""
     model = compshard.shard(copy.deepcopy(reference).to(batch[0].device))
-    note = compshard.inspect(model, *batch, options={"recompute": policy}).recompute
+    plan = compshard.inspect(model, *batch, options={"recompute": policy}).recompute
     torch._dynamo.reset()
-    return {"saved": note.saved, "planned_bytes": note.planned_bytes, "fits": note.fits, "levels": note.levels,
-            "blocks": note.blocks_summary()}
+    return {"saved": plan.saved, "planned_bytes": plan.planned_bytes, "fits": plan.fits, "levels": plan.levels,
+            "blocks": plan.blocks_summary()}
 
 
-def row(policy, result, note: dict) -> dict:
+def row(policy, result, plan: dict) -> dict:
     """One policy's training result and what it saves, the ranks' figures combined."""
     per_rank: list = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes, note["saved"]))
+    dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes, plan["saved"]))
     return {
         "policy": policy,
         "losses": result.losses,
         "median_step_seconds": max(statistics.median(steps) for steps, _, _ in per_rank),
         "peak_bytes": max(peak for _, peak, _ in per_rank),
-        "saved_bytes": {kind: max(saved[kind] for *_, saved in per_rank) for kind in note["saved"]},
-        "planned_bytes": note["planned_bytes"],
-        "fits": note["fits"],
-        "levels": note["levels"],
-        "blocks": note["blocks"],
+        "saved_bytes": {kind: max(saved[kind] for *_, saved in per_rank) for kind in plan["saved"]},
+        "planned_bytes": plan["planned_bytes"],
+        "fits": plan["fits"],
+        "levels": plan["levels"],
+        "blocks": plan["blocks"],
         "step_seconds_per_rank": [steps for steps, _, _ in per_rank],
     }
 
@@ -121,19 +121,19 @@ def main(args: argparse.Namespace) -> None:
     started = time.perf_counter()
 
     policies = {policy: policy for policy in FIXED_POLICIES}
-    notes = {name: saved_for_backward(reference, batch, policy) for name, policy in policies.items()}
+    plans = {name: saved_for_backward(reference, batch, policy) for name, policy in policies.items()}
     budget_mb = args.budget_mb
     if budget_mb is None:
         per_rank: list = [None] * world_size  # every rank must compile with the same budget
-        dist.all_gather_object(per_rank, [notes[p]["saved"]["activations"] for p in ("full", "none")])
+        dist.all_gather_object(per_rank, [plans[p]["saved"]["activations"] for p in ("full", "none")])
         full, none = (max(saved[i] for saved in per_rank) for i in range(2))
         budget_mb = round((full + none) / 2 / 2**20, 3)
     name = f"budget {budget_mb} MiB"
     policies[name] = {"budget_mb": budget_mb}
-    notes[name] = saved_for_backward(reference, batch, policies[name])
+    plans[name] = saved_for_backward(reference, batch, policies[name])
     results = train({name: functools.partial(wrap_compshard, recompute=policy) for name, policy in policies.items()},
                     reference, batch, steps=args.steps, warmup=args.warmup, device=device)
-    rows = {name: row(policy, results[name], notes[name]) for name, policy in policies.items()}
+    rows = {name: row(policy, results[name], plans[name]) for name, policy in policies.items()}
 
     if rank == 0:
         print(tabulate(table(rows), headers=HEADERS))

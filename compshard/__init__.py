@@ -2,6 +2,9 @@
 
     compshard.shard(model)
     step_model = torch.compile(model, backend="compshard")
+
+docs/architecture.md maps the data flow from ``shard()`` to the executed graph and the
+module where each decision is made.
 """
 
 from __future__ import annotations
@@ -13,13 +16,14 @@ import torch
 from compshard import ops  # noqa: F401  (registers the compshard:: custom ops)
 from compshard import checkpoint
 from compshard.backend import compshard_backend
+from compshard.checkpoint import full_state_dict
 from compshard.clip import clip_grad_norm_
+from compshard.compile_plan import ScheduleError
 from compshard.grad_sync import no_sync, set_requires_gradient_sync
 from compshard.options import CompileOptions
-from compshard.passes import ScheduleError
 from compshard.pipeline import Pipeline, PipelineReport, pipeline
 from compshard.report import Report, inspect
-from compshard.sharding import ShardingConfig, full_state_dict, shard, sharding_config
+from compshard.sharding import ShardingConfig, shard, sharding_config
 
 # Installed, the backend is known through its entry point and Dynamo registers it when
 # it is first asked for (even when that is this import); from a bare checkout, here.

@@ -4,6 +4,11 @@ Registered under the name ``"compshard"`` on ``import compshard`` and through th
 ``torch_dynamo_backends`` entry point. Options come from ``torch.compile(...,
 options={...})`` and are validated before anything is traced.
 
+One call of the backend compiles one Dynamo graph; its
+:class:`~compshard.compile_plan.CompilePlan` is the one value that passes from the
+Dynamo graph's pipeline to the joint graph's, through the partition, to the forward's and
+the backward's (or the inference graph's), each returning the next plan.
+
 Execution: ``codegen="fx"`` (default) runs each scheduled graph as generated Python with
 the boxed calling convention, so inputs and intermediates are released after their last
 use; ``codegen="inductor"`` compiles the compute between compshard's scheduled nodes with
@@ -12,35 +17,56 @@ Inductor and runs those nodes where the passes put them (:mod:`compshard.inducto
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+import contextlib
+import itertools
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Sequence
 
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
-from torch._functorch.partitioners import min_cut_rematerialization_partition
 
 from compshard import logs
+from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan
 from compshard.options import CompileOptions
 from compshard.passes import PassContext, run_passes
-from compshard.passes.recompute import record_saved
+from compshard.passes.partition import partition
 
-__all__ = ["compshard_backend", "CompiledGraph"]
-
-# Set by compshard.inspect while it compiles: every scheduled graph is appended here.
-_capture: list["CompiledGraph"] | None = None
+__all__ = ["compshard_backend", "CompiledGraph", "record_compiles"]
 
 
+@dataclass(frozen=True)
 class CompiledGraph:
-    """One scheduled graph, as compshard.inspect reports it."""
+    """One scheduled graph (forward, backward or inference) and the plan of its compile
+    as of when it was scheduled (its own :class:`GraphPlan` last)."""
 
-    def __init__(self, kind: str, gm: fx.GraphModule, ctx: PassContext, codegen: str) -> None:
-        self.kind = kind
-        self.gm = gm
-        self.notes = ctx.notes
-        self.shared = ctx.shared
-        self.codegen = codegen  # how it runs, e.g. "fx" or "inductor (5 compiled regions)"
+    kind: GraphKind
+    gm: fx.GraphModule
+    plan: CompilePlan
+    codegen: str  # how it runs: "fx", or "inductor (N compiled regions)"
+
+    @property
+    def graph_plan(self) -> GraphPlan:
+        return self.plan.graphs[-1]
 
 
-def _executor(gm: fx.GraphModule, options: CompileOptions, kind: str) -> tuple[Callable, str]:
+_recordings: list[list[CompiledGraph]] = []  # the open record_compiles() blocks
+_compile_numbers = itertools.count()
+
+
+@contextlib.contextmanager
+def record_compiles() -> Iterator[list[CompiledGraph]]:
+    """Within the block, every graph the backend schedules is appended, as a
+    :class:`CompiledGraph`, to the list it yields. ``compshard.inspect`` reads the
+    schedules through it; it is also the hook tests use to see what was compiled."""
+    recorded: list[CompiledGraph] = []
+    _recordings.append(recorded)
+    try:
+        yield recorded
+    finally:
+        _recordings.pop(next(i for i, r in enumerate(_recordings) if r is recorded))
+
+
+def _executor(gm: fx.GraphModule, options: CompileOptions, kind: GraphKind) -> tuple[Callable, str]:
     """The boxed callable that runs the scheduled ``gm``, and how it runs (for inspect)."""
     if options.codegen == "inductor":
         from compshard.inductor_regions import compile_regions
@@ -57,35 +83,31 @@ def _executor(gm: fx.GraphModule, options: CompileOptions, kind: str) -> tuple[C
     return make_boxed_func(gm.forward), "fx"
 
 
-def _graph_compiler(kind: str, options: CompileOptions, shared: dict) -> Callable:
-    def compile_graph(gm: fx.GraphModule, example_inputs: Sequence[Any]) -> Callable:
-        ctx = PassContext(options, kind, shared=shared)
-        run_passes(gm, ctx)
-        if kind == "inference":  # no joint graph: its passes made the bucket plan
-            logs.log_joint(shared)
-        logs.log_schedule(kind, gm, ctx.notes)
-        executor, codegen = _executor(gm, options, kind)
-        if _capture is not None:
-            _capture.append(CompiledGraph(kind, gm, ctx, codegen))
-        return executor
-
-    return compile_graph
-
-
 def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
     """torch.compile backend entry: ``torch.compile(m, backend="compshard", options=...)``."""
     opts = CompileOptions.from_dict(options)
-    shared: dict = {}  # the bucket and recompute plans, made on the joint graph, used by all three graphs
-    run_passes(gm, PassContext(opts, "dynamo", shared=shared))
+    plan = run_passes(gm, PassContext(opts, "dynamo"), CompilePlan(next(_compile_numbers)))
 
-    def partition(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
-        run_passes(joint, PassContext(opts, "joint", shared=shared))
-        forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
-        shared["saved_count"] = sum(1 for node in backward.graph.find_nodes(op="placeholder")
-                                    if not node.name.startswith("tangents"))
-        record_saved(forward, backward, shared)
-        logs.log_joint(shared)
+    def partition_joint(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
+        nonlocal plan
+        plan = run_passes(joint, PassContext(opts, "joint"), plan)
+        forward, backward, plan = partition(joint, joint_inputs, plan, **kwargs)
+        logs.log_plan(plan)
         return forward, backward
+
+    def graph_compiler(kind: GraphKind) -> Callable:
+        def compile_graph(graph_module: fx.GraphModule, graph_inputs: Sequence[Any]) -> Callable:  # noqa: ARG001
+            nonlocal plan
+            plan = run_passes(graph_module, PassContext(opts, kind), plan)
+            if kind == "inference":  # no joint graph: its passes made the bucket plan
+                logs.log_plan(plan)
+            logs.log_schedule(graph_module, plan.graphs[-1])
+            executor, codegen = _executor(graph_module, opts, kind)
+            for recorded in _recordings:
+                recorded.append(CompiledGraph(kind, graph_module, plan, codegen))
+            return executor
+
+        return compile_graph
 
     decompositions = {}
     if opts.codegen == "inductor":  # Inductor lowers graphs traced with its own decompositions
@@ -94,9 +116,9 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         decompositions = select_decomp_table()
     return aot_autograd(
         decompositions=decompositions,
-        fw_compiler=_graph_compiler("forward", opts, shared),
-        bw_compiler=_graph_compiler("backward", opts, shared),
-        inference_compiler=_graph_compiler("inference", opts, shared),
-        partition_fn=partition,
+        fw_compiler=graph_compiler("forward"),
+        bw_compiler=graph_compiler("backward"),
+        inference_compiler=graph_compiler("inference"),
+        partition_fn=partition_joint,
         keep_inference_input_mutations=True,
     )(gm, example_inputs)

@@ -1,6 +1,9 @@
-"""Checkpoints of sharded models and their optimizers.
+"""Checkpoints and state dicts of sharded models and their optimizers.
 
-Two forms, both keyed by the unsharded model's parameter names:
+:func:`full_state_dict` gathers a sharded model's full tensors under the unsharded
+model's keys; :func:`parameters_at_rest` lets code that walks a model by attribute (DCP's
+state-dict helpers) see the stored shards instead of gathering. Checkpoints come in two
+forms, both keyed by the unsharded model's parameter names:
 
 - sharded: :func:`save` / :func:`load` write and read a ``torch.distributed.checkpoint``
   (DCP) directory; each rank writes only its own ``Shard(0)`` rows, and a checkpoint
@@ -37,14 +40,51 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.tensor import DTensor
 from torch.utils._pytree import tree_map, tree_map_only
 
-from compshard.sharding import full_state_dict, parameters_at_rest
+from compshard.sharding import plain_class
 
-__all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "save", "load", "get_full_state_dict", "set_full_state_dict"]
+__all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "save", "load", "get_full_state_dict", "set_full_state_dict",
+           "full_state_dict", "parameters_at_rest"]
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
 
 StateDict = dict[str, Any]
+
+
+def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
+    """Full (unsharded) CPU tensors under the unsharded model's ``state_dict()`` keys.
+
+    Collective: every rank must call it. With ``rank0_only`` ranks other than 0 return
+    an empty dict (they still take part in the gathers).
+    """
+    gathered: dict[int, torch.Tensor] = {}
+    result = {}
+    for key, value in module.state_dict(keep_vars=True).items():
+        if id(value) not in gathered:
+            full = value.full_tensor() if isinstance(value, DTensor) else value
+            gathered[id(value)] = full.detach().to("cpu", copy=True)
+        result[key] = gathered[id(value)]
+    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
+    return result if keep else {}
+
+
+@contextlib.contextmanager
+def parameters_at_rest(module: nn.Module) -> Iterator[nn.Module]:
+    """Within the block, ``module.<name>`` returns the stored shard Parameter (no gather).
+
+    For code that walks a model by ``getattr`` outside forward, such as
+    ``torch.distributed.checkpoint.state_dict``, which would otherwise all-gather every
+    parameter it names. The sharded modules get their classes back on exit; nothing
+    else changes, so compiled code stays valid.
+    """
+    swapped = [(sub, type(sub), plain) for sub in module.modules() if (plain := plain_class(type(sub))) is not None]
+    for sub, _, plain in swapped:
+        sub.__class__ = plain
+    try:
+        yield module
+    finally:
+        for sub, sharded, _ in swapped:
+            sub.__class__ = sharded
 
 
 def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:

@@ -24,8 +24,10 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode
 
-__all__ = ["Costs", "calibrate", "costs_for", "collective_seconds", "node_seconds"]
+from compshard.ops import resolve_group
+from compshard.sizes import nbytes, size_hint
 
+__all__ = ["Costs", "calibrate", "costs_for", "collective_seconds", "node_seconds"]
 
 @dataclass(frozen=True)
 class Costs:
@@ -52,8 +54,6 @@ def calibrate(group_name: str, device: torch.device) -> Costs:
     """Measure this group's link and this machine's FLOP rate once; agree across ranks."""
     if group_name in _calibrated:
         return _calibrated[group_name]
-    from compshard.ops import resolve_group
-
     group = resolve_group(group_name)
     world_size = dist.get_world_size(group)
     with torch.no_grad():
@@ -103,11 +103,11 @@ _seconds_cache: dict[tuple, float] = {}
 def _describe(value) -> object:
     """What an op's estimate depends on in one argument: a tensor's shape, strides and
     dtype (a symbolic size by its expression and hint: neither installs a guard)."""
-    from compshard.passes.fx_utils import size_hint
-
     if isinstance(value, torch.Tensor):
-        return (tuple((str(n), size_hint(n)) for n in value.shape), tuple(map(str, value.stride())), value.dtype,
-                value.device.type)
+        shape, stride = tuple(value.shape), tuple(value.stride())
+        if not all(type(n) is int for n in shape + stride):
+            shape, stride = tuple((str(n), size_hint(n)) for n in shape), tuple(map(str, stride))
+        return shape, stride, value.dtype, value.device.type
     if isinstance(value, (list, tuple)):
         return tuple(_describe(v) for v in value)
     return repr(value)
@@ -134,8 +134,6 @@ def node_seconds(node: fx.Node, costs: Costs) -> float:
 
 
 def _node_seconds(node: fx.Node, args, kwargs, costs: Costs) -> float:
-    from compshard.passes.fx_utils import nbytes, size_hint  # the passes import this module
-
     val = node.meta.get("val")
     fake_mode = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(val) if hasattr(v, "fake_mode")), None)
     flops = 0

@@ -36,7 +36,9 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-__all__ = ["EagerReductions", "gather", "install_call_scope"]
+from compshard.ops import UnshardArgs
+
+__all__ = ["EagerReductions", "gather", "install_call_scope", "needs_call_scope"]
 
 
 @dataclass
@@ -102,10 +104,10 @@ class _DeferredGather(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, shard: torch.Tensor, reductions: EagerReductions, item: _Pending,
-                unshard_args: tuple) -> torch.Tensor:
+                args: UnshardArgs) -> torch.Tensor:
         ctx.reductions, ctx.item = reductions, item
         item.node = weakref.ref(ctx)
-        return torch.ops.compshard.unshard(shard, *unshard_args)
+        return torch.ops.compshard.unshard(*args._replace(shard=shard))
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
@@ -121,18 +123,16 @@ def gather(param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reduct
     by a collective (``communicates`` and sync mode ``reduce`` or ``fold``) and autograd
     records, the reduction is deferred to the end of backward; otherwise the op runs as is.
     """
-    from compshard.ops import UnshardArgs
-
     args = UnshardArgs(shard, *unshard_args)
     if not (communicates and args.grad_sync != "accumulate" and torch.is_grad_enabled() and param.requires_grad):
-        return torch.ops.compshard.unshard(shard, *unshard_args)
+        return torch.ops.compshard.unshard(*args)
     item = _Pending(param, (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
                             shard.dtype, args.replicate_group))
     if args.grad_sync == "fold":  # the gradient accumulated under no_sync joins this one's reduction
         item.grad = args.grad_sink
-        unshard_args = (*unshard_args[:-2], "reduce", None)
+        args = args._replace(grad_sync="reduce", grad_sink=None)
     reductions.pending.append(item)
-    return _DeferredGather.apply(shard, reductions, item, unshard_args)
+    return _DeferredGather.apply(shard, reductions, item, args)
 
 
 def _enter_call(unshard: Callable[[nn.Module, str], torch.Tensor], module: nn.Module, args: Any) -> None:
@@ -142,6 +142,22 @@ def _enter_call(unshard: Callable[[nn.Module, str], torch.Tensor], module: nn.Mo
 def _exit_call(module: nn.Module, args: Any, output: Any) -> None:
     if module._compshard_calls:
         module._compshard_calls.pop()
+
+
+# torch.nn modules whose forward reads each parameter exactly once, whatever the data:
+# a gather at that read is the gather at call entry, so they need no call scope (and
+# compile faster without its hooks: fewer traced calls and guards per module).
+_READS_EACH_PARAMETER_ONCE = frozenset(cls.forward for cls in (
+    nn.Linear, nn.Bilinear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.PReLU,
+    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
+    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
+))
+
+
+def needs_call_scope(module: nn.Module) -> bool:
+    """Whether ``module``'s reads of its parameters could differ from one gather each at
+    call entry: any module but the torch.nn ones above with their own ``forward``."""
+    return type(module).forward not in _READS_EACH_PARAMETER_ONCE
 
 
 def install_call_scope(module: nn.Module, unshard: Callable[[nn.Module, str], torch.Tensor]) -> None:

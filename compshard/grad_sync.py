@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -33,18 +34,23 @@ __all__ = ["GradSync", "no_sync", "set_requires_gradient_sync"]
 
 
 class GradSync:
-    """Gradient-sync state shared by every sharded submodule of one ``shard`` call."""
+    """Gradient-sync state shared by every sharded submodule of one ``shard`` call.
+
+    ``specs``: parameter name -> its ``compshard.sharding.ParamSpec`` (what a gradient
+    sink is shaped by), registered by ``shard``."""
 
     def __init__(self) -> None:
         self.requires_sync = True
         self.eager = EagerReductions()  # uncompiled gathers awaiting their gradients
+        self.specs: dict[str, Any] = {}
         self.sinks: dict[str, torch.Tensor] = {}  # parameter name -> zero-stride full-shape leaf
 
-    def mode(self, param: str) -> tuple[str, torch.Tensor | None]:
-        """``(grad_sync, grad_sink)`` arguments of the parameter's next ``unshard``.
-
-        Fold mode takes the accumulated gradient out of its sink: a parameter read twice
-        in one forward adds it once.
+    def claim(self, param: str) -> tuple[str, torch.Tensor | None]:
+        """``(grad_sync, grad_sink)`` arguments of the parameter's next ``unshard``, claimed
+        by that read: with sync on after accumulation, the first read takes the
+        accumulated gradient out of its sink ("fold") and later reads reduce their own
+        gradient alone, so a parameter read twice in one forward adds it once. This is
+        the one state change a parameter read makes.
         """
         sink = self.sinks.get(param)
         if sink is None:
@@ -73,14 +79,12 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     together with its own gradient. Every rank must make the same calls."""
     if not isinstance(requires_gradient_sync, bool):
         raise TypeError(f"compshard: requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
-    from compshard.sharding import param_specs
-
     state = _state(module)
     state.requires_sync = requires_gradient_sync
     if requires_gradient_sync:
         return
     params = dict(module.named_parameters())
-    for name, spec in param_specs(module).items():
+    for name, spec in state.specs.items():
         if name in state.sinks or not params[name].requires_grad:
             continue
         dtype = spec.reduce_dtype or spec.param_dtype or params[name].dtype

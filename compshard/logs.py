@@ -6,10 +6,10 @@
 
 or, in the program, ``torch._logging.set_logs(modules={"compshard": logging.INFO})``.
 
-The passes record their decisions in the pass context (``ctx.shared``: the bucket and
-recompute plans; ``ctx.notes``: coalescing, prefetch distances, estimated peak,
-fingerprint); this module reads them once per graph, after its pass pipeline, so no pass
-logs on its own. Each decision is a line on the ``compshard`` logger (INFO), and each
+The passes return their decisions as plans (``compshard.compile_plan``: the bucket and
+recompute plans of a compile; per graph its coalescing, prefetch distances, estimated
+peak and fingerprint); the backend hands them to this module once per graph, after its
+pass pipeline, so no pass logs on its own. Each decision is a line on the ``compshard`` logger (INFO), and each
 scheduled graph is one structured artifact (``torch._logging.trace_structured``), which
 ``tlparse`` shows beside Dynamo's and AOTAutograd's graphs of the same compile:
 ``compshard_<graph>_schedule`` (the graph's code with the scheduled nodes) and
@@ -27,15 +27,17 @@ from typing import Any, Callable
 import torch._logging
 from torch import fx
 
-__all__ = ["log", "log_joint", "log_schedule", "warn"]
+from compshard.compile_plan import CompilePlan, GraphPlan, MiB
+from compshard.sizes import size_hint
+from compshard.timeline import simulate
+
+__all__ = ["log", "log_plan", "log_schedule", "warn", "format_mib"]
 
 log = logging.getLogger("compshard")
 
 # TORCH_LOGS="compshard" already works through torch's lookup of module names; registering
 # the name also makes torch._logging.set_logs and TORCH_LOGS="help" know it.
 torch._logging._internal.register_log("compshard", "compshard")
-
-MiB = 2**20
 
 # Frames inside these folders are not the user's: a warning names the first frame outside.
 _LIBRARY_FOLDERS = tuple(os.path.dirname(os.path.abspath(path)) + os.sep for path in (__file__, torch.__file__))
@@ -53,26 +55,39 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     warnings.warn(message, category, stacklevel=level)
 
 
-def _mib(nbytes: float) -> str:
+def format_mib(nbytes: float) -> str:
     return f"{nbytes / MiB:.3f} MiB"
 
 
 def _artifact(name: str, encoding: str, payload_fn: Callable[[], Any]) -> None:
-    """A structured artifact (written only under TORCH_TRACE: ``payload_fn`` runs then)."""
+    """A structured artifact (written only under TORCH_TRACE: ``payload_fn`` runs then).
+    Symbolic sizes (a dynamic graph's byte counts) are written as their size hints."""
     torch._logging.trace_structured(
-        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding}, payload_fn=payload_fn,
+        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
+        payload_fn=lambda: _plain(payload_fn()),
     )
 
 
-def log_joint(shared: dict) -> None:
+def _plain(value: Any) -> Any:
+    """``value`` with every SymInt replaced by its hint (JSON cannot hold a SymInt)."""
+    if isinstance(value, torch.SymInt):
+        return size_hint(value)
+    if isinstance(value, dict):
+        return {key: _plain(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(item) for item in value]
+    return value
+
+
+def log_plan(plan: CompilePlan) -> None:
     """After the joint graph's passes and the partition: the bucket and recompute plans."""
-    buckets = shared.get("buckets", [])
-    recompute = shared.get("recompute")
+    buckets = plan.buckets or ()
+    recompute = plan.recompute
     if log.isEnabledFor(logging.INFO):
         log.info("compshard: %d buckets", len(buckets))
         for bucket in buckets:
             log.info("compshard:   bucket %s: %d params, %s gathered%s", bucket.name, len(bucket.params),
-                     _mib(bucket.nbytes), ", kept gathered forward->backward" if bucket.keep_gathered else "")
+                     format_mib(bucket.nbytes), ", kept gathered forward->backward" if bucket.keep_gathered else "")
         if recompute is not None:
             log.info("compshard: %s", recompute.describe())
     _artifact("compshard_plan", "json", lambda: {
@@ -84,25 +99,24 @@ def log_joint(shared: dict) -> None:
     })
 
 
-def decisions(kind: str, notes: dict) -> dict:
-    """One graph's decisions as the passes recorded them (JSON-ready)."""
+def decisions(graph_plan: GraphPlan) -> dict:
+    """One graph's decisions as its pipeline returned them (JSON-ready)."""
     return {
-        "graph": kind,
-        "coalesced": notes.get("coalesced", {}),
-        "prefetch": notes.get("prefetch", {}),
-        "peak_bytes": notes.get("peak_bytes"),
-        "fingerprint": notes.get("fingerprint"),
+        "graph": graph_plan.kind,
+        "coalesced": graph_plan.coalescing.as_dict() if graph_plan.coalescing else {},
+        "prefetch": graph_plan.prefetch.as_dict() if graph_plan.prefetch else {},
+        "peak_bytes": graph_plan.peak_bytes,
+        "fingerprint": graph_plan.fingerprint,
     }
 
 
-def log_schedule(kind: str, gm: fx.GraphModule, notes: dict) -> None:
+def log_schedule(gm: fx.GraphModule, graph_plan: GraphPlan) -> None:
     """After a forward, backward or inference graph's passes: coalescing, prefetch
     distances, estimated timeline and peak, fingerprint; the graph itself at DEBUG and as
     a structured artifact."""
-    facts = decisions(kind, notes)
+    kind = graph_plan.kind
+    facts = decisions(graph_plan)
     if log.isEnabledFor(logging.INFO):
-        from compshard.timeline import simulate
-
         timeline = simulate(gm.graph)
         for collective_kind, groups in facts["coalesced"].items():
             log.info("compshard: %s %s: %d collectives for %d buckets: %s", kind, collective_kind, len(groups),
@@ -112,7 +126,7 @@ def log_schedule(kind: str, gm: fx.GraphModule, notes: dict) -> None:
                      ", ".join(f"{bucket} {distance}" for bucket, distance in facts["prefetch"].items()))
         log.info("compshard: %s estimated: %.3f ms (compute %.3f, comm %.3f, exposed comm %.3f), peak %s, "
                  "fingerprint %s", kind, timeline.total * 1e3, (timeline.total - timeline.exposed_comm) * 1e3,
-                 timeline.comm * 1e3, timeline.exposed_comm * 1e3, _mib(facts["peak_bytes"] or 0),
+                 timeline.comm * 1e3, timeline.exposed_comm * 1e3, format_mib(facts["peak_bytes"] or 0),
                  facts["fingerprint"])
     if log.isEnabledFor(logging.DEBUG):
         log.debug("compshard: scheduled %s graph:\n%s", kind, gm.print_readable(print_output=False))

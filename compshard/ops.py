@@ -32,7 +32,7 @@ identified by name (``param``), so every rank sees the same op arguments;
 ``reshard_after_forward`` tells the partitioning passes whether the gathered tensor may
 be saved for backward (it does not change what the op computes).
 
-Layout (the contract shared with :mod:`compshard.kernels`): with ``rows = ceil(dim0 / N)``
+Shard layout (the contract shared with :mod:`compshard.kernels`): with ``rows = ceil(dim0 / N)``
 the padded shard has ``L = rows * row_numel`` elements and rank ``r`` holds the flat slice
 ``[r * L, (r + 1) * L)`` of the full tensor, clipped to its numel. That is ``torch.chunk``
 along dim 0, i.e. DTensor ``Shard(0)``. 0-d parameters are replicated instead.
@@ -47,7 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["Layout", "UnshardArgs", "ReduceGradArgs", "GRAD_SYNC_MODES"]
+__all__ = ["ShardLayout", "UnshardArgs", "ReduceGradArgs", "GRAD_SYNC_MODES"]
 
 GRAD_SYNC_MODES = ("reduce", "accumulate", "fold")
 
@@ -55,7 +55,7 @@ _c10d = torch.ops._c10d_functional
 
 
 @dataclass(frozen=True)
-class Layout:
+class ShardLayout:
     """Static facts of one parameter's sharding. Identical on every rank but ``rank``."""
 
     full_shape: tuple[int, ...]
@@ -113,7 +113,8 @@ def group_size(group_name: str) -> int:
 
 
 class UnshardArgs(NamedTuple):
-    """``compshard::unshard``'s arguments by name (passes read ``UnshardArgs(*node.args)``)."""
+    """``compshard::unshard``'s arguments by name (passes read them with
+    ``compshard.passes.fx_utils.unshard_args``)."""
 
     shard: object
     full_shape: list
@@ -141,8 +142,8 @@ class ReduceGradArgs(NamedTuple):
     replicate_group: str
 
 
-def _layout(full_shape: list[int], world_size: int, group_name: str) -> Layout:
-    return Layout(tuple(full_shape), world_size, group_rank(group_name))
+def _shard_layout(full_shape: list[int], world_size: int, group_name: str) -> ShardLayout:
+    return ShardLayout(tuple(full_shape), world_size, group_rank(group_name))
 
 
 # ---------------------------------------------------------------------------- unshard
@@ -162,7 +163,7 @@ def unshard(
     grad_sync: str,
     grad_sink: torch.Tensor | None,
 ) -> torch.Tensor:
-    layout = _layout(full_shape, world_size, group_name)
+    layout = _shard_layout(full_shape, world_size, group_name)
     flat = shard.reshape(-1).to(param_dtype or shard.dtype)
     if layout.replicated or world_size == 1:
         return flat.clone().view(full_shape)
@@ -216,7 +217,7 @@ def reduce_grad(
     shard_dtype: torch.dtype,
     replicate_group: str,
 ) -> torch.Tensor:
-    layout = _layout(full_shape, world_size, group_name)
+    layout = _shard_layout(full_shape, world_size, group_name)
     replicas = group_size(replicate_group)
     flat = grad.reshape(-1).to(reduce_dtype or grad.dtype)
     if world_size * replicas == 1:
@@ -235,7 +236,7 @@ def reduce_grad(
 
 @reduce_grad.register_fake
 def _(grad, full_shape, world_size, group_name, param, reduce_dtype, shard_dtype, replicate_group):
-    return grad.new_empty(_layout(full_shape, world_size, group_name).local_shape, dtype=shard_dtype)
+    return grad.new_empty(_shard_layout(full_shape, world_size, group_name).local_shape, dtype=shard_dtype)
 
 
 # ------------------------------------------------------------------------------- free

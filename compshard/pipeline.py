@@ -1,7 +1,7 @@
 """``compshard.pipeline``: pipeline-parallel training over stages cut by a graph pass.
 
 The forward is captured and cut into ``stages`` contiguous stages balanced by estimated
-cost (``compshard.passes.partition_stages``); each rank runs one stage with
+cost (``compshard.pipeline_stages``); each rank runs one stage with
 ``torch.distributed.pipelining`` (``PipelineStage`` and its ``ScheduleGPipe`` /
 ``Schedule1F1B``) over ``microbatches`` micro-batches. With more ranks than stages the
 ranks form a 2-D mesh ``(pp, dp)``: every stage is replicated over ``dp`` ranks, and each
@@ -30,7 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from compshard import cost_model
-from compshard.passes.partition_stages import Partition, build_stage_module, partition_stages
+from compshard.pipeline_stages import Partition, build_stage_module, partition_stages
 from compshard.sharding import shard
 
 __all__ = ["Pipeline", "PipelineReport", "SCHEDULES", "bubble_fraction", "pipeline"]

@@ -1,11 +1,15 @@
 """``compshard.inspect``: compile a module for given inputs and report the schedule chosen.
 
-The report lists, per graph (forward, backward), every scheduled node (collective starts,
-waits, frees, and the pack/unpack work around each collective) with the runs of compute
-between them folded into one row: the bytes each moves, its estimated time, the bytes of
-collectives in flight and the estimated bytes live after it (storages the graph
-allocated, not its inputs); then the buckets with their prefetch distances, and the
-estimated compute, communication and exposed communication per graph.
+The report covers every graph compiled: with graph breaks (or recompiles) Dynamo hands
+the backend several graphs, each compiled with its own plan, and the report names their
+graphs ``forward.0``, ``backward.0``, ``forward.1``, ... (plain ``forward`` and
+``backward`` when there is one plan), says how many graphs and plans it covers in its
+header, and lists each plan's buckets. Per graph it lists every scheduled node
+(collective starts, waits, frees, and the pack/unpack work around each collective) with
+the runs of compute between them folded into one row: the bytes each moves, its
+estimated time, the bytes of collectives in flight and the estimated bytes live after it
+(storages the graph allocated, not its inputs); then the buckets with their prefetch
+distances, and the estimated compute, communication and exposed communication per graph.
 ``Report.save_trace`` writes the estimated timeline (and the measured profiler events,
 with ``inspect(..., profile=True)``) as a Chrome / Perfetto trace.
 """
@@ -24,11 +28,10 @@ from tabulate import tabulate
 from torch import fx, nn
 
 from compshard import backend
+from compshard.compile_plan import COLLECTIVE_KINDS, CompilePlan, NodeMeta, RecomputePlan, node_meta
+from compshard.logs import format_mib
 from compshard.options import CompileOptions
-from compshard.passes.estimate_costs import SECONDS
-from compshard.passes.estimate_memory import LIVE_BYTES
-from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY, is_view
-from compshard.passes.recompute import RecomputeNote
+from compshard.passes.fx_utils import is_view
 from compshard.sharding import ShardingConfig
 from compshard.timeline import Timeline, simulate
 
@@ -37,34 +40,37 @@ __all__ = ["Report", "inspect"]
 _LISTED_KINDS = (*COLLECTIVE_KINDS, "free")  # what report.collectives holds
 
 
-def _mib(nbytes: int) -> str:
-    return f"{nbytes / 2**20:.3f} MiB"
-
-
 class Report:
     """The schedules compshard compiled. ``str(report)`` is a table; see the attributes.
 
+    Graphs are named by kind (``"forward"``, ``"backward"``, ``"inference"``) when one
+    plan was compiled, and ``"<kind>.<plan>"`` (``"forward.1"``) when several were (one
+    per Dynamo graph: graph breaks and recompiles each make one).
+
     Attributes:
-        graphs: graph kind ("forward", "backward" or "inference") -> scheduled GraphModule.
+        plans: the :class:`~compshard.compile_plan.CompilePlan` of every Dynamo graph
+            compiled, in compile order.
+        graphs: graph name -> scheduled GraphModule.
         collectives: one dict per collective start or free, in graph order, with keys
-            ``graph``, ``kind``, ``unit``, ``bytes``, ``params``, ``node``, ``bucket``
-            (the bucket names joined by ``+`` when buckets share the collective) and, for
-            frees, ``of`` (``"buffer"``: the all-gather output, ``"params"``: the bucket's
-            unpacked parameters).
-        buckets: one dict per bucket: ``name``, ``params``, ``bytes`` (gathered),
-            ``keep_gathered`` and ``prefetch`` (graph kind -> across how many all-gathers'
-            uses its all-gather runs; 0: started at its wait).
-        timelines: graph kind -> estimated :class:`~compshard.timeline.Timeline`.
-        fingerprints: graph kind -> schedule fingerprint (the same on every rank).
-        peak_bytes: graph kind -> estimated peak bytes the graph allocates.
-        recompute: the recompute policy and the bytes the forward saves for the backward
-            (a :class:`~compshard.passes.recompute.RecomputeNote`; None when no joint
-            graph was compiled, e.g. for inference).
+            ``graph``, ``kind``, ``unit`` (the module of its first parameter), ``bytes``,
+            ``params``, ``node``, ``bucket`` (the bucket names joined by ``+`` when
+            buckets share the collective) and, for frees, ``of`` (``"buffer"``: the
+            all-gather output, ``"params"``: the bucket's unpacked parameters).
+        buckets: one dict per bucket of every plan: ``name``, ``plan`` (its index in
+            ``plans``), ``params``, ``bytes`` (gathered), ``keep_gathered`` and
+            ``prefetch`` (graph name -> across how many all-gathers' uses its all-gather
+            runs; 0: started at its wait).
+        timelines: graph name -> estimated :class:`~compshard.timeline.Timeline`.
+        fingerprints: graph name -> schedule fingerprint (the same on every rank).
+        peak_bytes: graph name -> estimated peak bytes the graph allocates.
+        recompute: the first plan's recompute policy and the bytes its forward saves for
+            the backward (a :class:`~compshard.compile_plan.RecomputePlan`; None when no
+            joint graph was compiled, e.g. for inference); ``plans`` hold every plan's.
         config: the module's :class:`~compshard.sharding.ShardingConfig` (strategy, group
             sizes, dtypes, offload), shown first in ``str(report)``.
-        pass_seconds: graph kind ("dynamo", "joint", "forward", ...) -> pass name -> wall
-            seconds that pass took while compiling.
-        codegen: graph kind -> how the scheduled graph runs: ``"fx"``, or ``"inductor (N
+        pass_seconds: graph name (also ``"dynamo"`` and ``"joint"``, with the plan suffix
+            when there are several plans) -> pass name -> wall seconds that pass took.
+        codegen: graph name -> how the scheduled graph runs: ``"fx"``, or ``"inductor (N
             compiled regions)"`` (the compute between scheduled nodes, compiled by
             Inductor; see :mod:`compshard.inductor_regions`).
     """
@@ -72,72 +78,101 @@ class Report:
     def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None,
                  config: ShardingConfig | None = None) -> None:
         self.config = config
-        self.graphs: dict[str, fx.GraphModule] = {g.kind: g.gm for g in compiled}
-        self.fingerprints = {g.kind: g.notes["fingerprint"] for g in compiled}
-        self.peak_bytes = {g.kind: g.notes["peak_bytes"] for g in compiled}
-        self.codegen = {g.kind: g.codegen for g in compiled}
-        self.timelines: dict[str, Timeline] = {kind: simulate(gm.graph) for kind, gm in self.graphs.items()}
         self.measured_trace = measured_trace
-        self.recompute: RecomputeNote | None = compiled[0].shared.get("recompute")
-        self.pass_seconds = {kind: dict(seconds) for g in compiled
-                             for kind, seconds in g.shared.get("pass_seconds", {}).items()}
-        distances = {g.kind: g.notes.get("prefetch", {}) for g in compiled}
+        latest: dict[int, CompilePlan] = {}  # each compile's plan as of its last graph (dicts keep first-seen order)
+        for graph in compiled:
+            latest[graph.plan.number] = graph.plan
+        self.plans = list(latest.values())
+        index = {number: i for i, number in enumerate(latest)}
+        several = len(self.plans) > 1
+
+        def name(kind: str, plan: int) -> str:
+            return f"{kind}.{plan}" if several else kind
+
+        self._plan_of: dict[str, int] = {}  # graph name -> plan index
+        self.graphs: dict[str, fx.GraphModule] = {}
+        self.fingerprints: dict[str, str | None] = {}
+        self.peak_bytes: dict[str, int | None] = {}
+        self.codegen: dict[str, str] = {}
+        for graph in compiled:
+            graph_name = name(graph.kind, index[graph.plan.number])
+            self._plan_of[graph_name] = index[graph.plan.number]
+            self.graphs[graph_name] = graph.gm
+            self.fingerprints[graph_name] = graph.graph_plan.fingerprint
+            self.peak_bytes[graph_name] = graph.graph_plan.peak_bytes
+            self.codegen[graph_name] = graph.codegen
+        self.timelines: dict[str, Timeline] = {kind: simulate(gm.graph) for kind, gm in self.graphs.items()}
+        self.recompute: RecomputePlan | None = next((p.recompute for p in self.plans if p.recompute), None)
+        self.pass_seconds = {name(g.kind, i): dict(g.pass_seconds) for i, plan in enumerate(self.plans)
+                             for g in plan.graphs}
         self.buckets = [
-            {"name": b.name, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered,
-             "prefetch": {kind: d[b.name] for kind, d in distances.items() if b.name in d}}
-            for b in compiled[0].shared.get("buckets", [])
+            {"name": b.name, "plan": i, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered,
+             "prefetch": {name(g.kind, i): distances[b.name] for g in plan.graphs if g.prefetch
+                          and b.name in (distances := g.prefetch.as_dict())}}
+            for i, plan in enumerate(self.plans) for b in plan.buckets or ()
         ]
-        self._bucket_of = {param: b["name"] for b in self.buckets for param in b["params"]}
+        self._bucket_of = [{param: b.name for b in plan.buckets or () for param in b.params} for plan in self.plans]
         self.collectives = [
-            {"graph": kind, "kind": meta["kind"], "unit": meta["unit"], "bytes": meta["bytes"],
-             "params": meta["params"], "node": node.name, "bucket": self._bucket_label(meta), "of": meta.get("of")}
-            for kind, gm in self.graphs.items()
+            {"graph": graph_name, "kind": meta.kind, "unit": meta.unit, "bytes": meta.bytes,
+             "params": list(meta.params), "node": node.name, "bucket": self._bucket_label(meta, graph_name),
+             "of": meta.freed}
+            for graph_name, gm in self.graphs.items()
             for node in gm.graph.nodes
-            if (meta := node.meta.get(META_KEY)) and meta["kind"] in _LISTED_KINDS
+            if (meta := node_meta(node)).kind in _LISTED_KINDS
         ]
 
-    def _bucket_label(self, meta: dict) -> str:
+    def _bucket_label(self, meta: NodeMeta, graph_name: str) -> str:
         """The bucket(s) a scheduled node works on, joined by ``+``. A free names the
         buckets of the parameters it frees (the passes record those, not the bucket)."""
-        if meta.get("bucket"):
-            return meta["bucket"]
-        buckets = dict.fromkeys(self._bucket_of[p] for p in meta.get("params", ()) if p in self._bucket_of)
-        return "+".join(buckets) or meta["unit"]
+        if meta.bucket:
+            return meta.bucket
+        bucket_of = self._bucket_of[self._plan_of[graph_name]]
+        return "+".join(dict.fromkeys(bucket_of[p] for p in meta.params if p in bucket_of)) or meta.unit
+
+    def header(self) -> str:
+        """What the report covers: the graphs and the plans they were compiled with."""
+        graphs, plans = len(self.graphs), len(self.plans)
+        line = (f"compiled {graphs} graph{'s' * (graphs != 1)} in {plans} plan{'s' * (plans != 1)}: "
+                + ", ".join(self.graphs))
+        if plans > 1:
+            line += " (one plan per Dynamo graph: graph breaks and recompiles each make one)"
+        return line
 
     def rows(self, views: bool = False) -> list[dict[str, Any]]:
         """Table rows: scheduled nodes one each; runs of compute, and of one bucket's
         pack or unpack, folded into one row. Nodes that only view a tensor (``view``,
         ``t``, ``getitem``: no work, no bytes of their own) are left out unless ``views``."""
         rows: list[dict[str, Any]] = []
-        for kind, gm in self.graphs.items():
-            inflight = self.timelines[kind].inflight_after
+        for graph_name, gm in self.graphs.items():
+            inflight = self.timelines[graph_name].inflight_after
             for node in gm.graph.nodes:
                 if node.op != "call_function" or (not views and _only_views(node)):
                     continue
-                meta = node.meta.get(META_KEY)
-                row_kind = meta["kind"] if meta else "compute"
-                bucket = self._bucket_label(meta) if meta else ""
+                meta = node_meta(node)
+                row_kind = meta.kind or "compute"
+                bucket = self._bucket_label(meta, graph_name) if meta.kind else ""
                 if row_kind == "free":
-                    bucket += f" ({_FREED.get(meta.get('of'), meta.get('of'))})" if meta.get("of") else ""
+                    bucket += f" ({_FREED.get(meta.freed, meta.freed)})" if meta.freed else ""
                 last = rows[-1] if rows else None
                 foldable = row_kind in ("compute", "pack", "unpack")
-                if foldable and last and last["graph"] == kind and last["kind"] == row_kind and last["bucket"] == bucket:
+                if foldable and last and last["graph"] == graph_name and last["kind"] == row_kind \
+                        and last["bucket"] == bucket:
                     last["ops"] += 1
-                    last["bytes"] += meta["bytes"] if meta else 0
-                    last["seconds"] += node.meta.get(SECONDS, 0.0)
+                    last["bytes"] += meta.bytes
+                    last["seconds"] += meta.seconds or 0.0
                     last["in flight"] = inflight.get(node, 0)
-                    last["live after"] = node.meta.get(LIVE_BYTES, 0)
+                    last["live after"] = meta.live_bytes or 0
                     continue
                 rows.append({
-                    "graph": kind,
+                    "graph": graph_name,
                     "node": node.name,
                     "kind": row_kind,
                     "bucket": bucket,
                     "ops": 1,
-                    "bytes": meta["bytes"] if meta else 0,
-                    "seconds": node.meta.get(SECONDS, 0.0),
+                    "bytes": meta.bytes,
+                    "seconds": meta.seconds or 0.0,
                     "in flight": inflight.get(node, 0),
-                    "live after": node.meta.get(LIVE_BYTES, 0),
+                    "live after": meta.live_bytes or 0,
                 })
         return rows
 
@@ -146,33 +181,38 @@ class Report:
         only view a tensor."""
         table = [
             [r["graph"], r["node"] + (f" (+{r['ops'] - 1} ops)" if r["ops"] > 1 else ""), r["kind"], r["bucket"],
-             _mib(r["bytes"]) if r["bytes"] else "", f"{r['seconds'] * 1e3:.3f}" if r["seconds"] else "",
-             _mib(r["in flight"]) if r["in flight"] else "", _mib(r["live after"])]
+             format_mib(r["bytes"]) if r["bytes"] else "", f"{r['seconds'] * 1e3:.3f}" if r["seconds"] else "",
+             format_mib(r["in flight"]) if r["in flight"] else "", format_mib(r["live after"])]
             for r in self.rows(views)
         ]
         headers = ["graph", "node", "kind", "bucket / unit", "bytes", "est ms", "in flight", "live after"]
+        several = len(self.plans) > 1
         buckets = [
-            [b["name"], len(b["params"]), _mib(b["bytes"]), "yes" if b["keep_gathered"] else "no",
-             ", ".join(f"{kind} {d}" for kind, d in b["prefetch"].items())]
+            [*([b["plan"]] if several else []), b["name"], len(b["params"]), format_mib(b["bytes"]),
+             "yes" if b["keep_gathered"] else "no", ", ".join(f"{kind} {d}" for kind, d in b["prefetch"].items())]
             for b in self.buckets
         ]
+        bucket_headers = [*(["plan"] if several else []), "bucket", "params", "gathered", "kept fw->bw",
+                          "prefetch (gathers ahead)"]
         summary = [
             [kind, f"{t.total * 1e3:.3f}", f"{(t.total - t.exposed_comm) * 1e3:.3f}", f"{t.comm * 1e3:.3f}",
-             f"{t.exposed_comm * 1e3:.3f}", _mib(self.peak_bytes[kind]), self.fingerprints[kind], self.codegen[kind]]
+             f"{t.exposed_comm * 1e3:.3f}", format_mib(self.peak_bytes[kind] or 0), self.fingerprints[kind],
+             self.codegen[kind]]
             for kind, t in self.timelines.items()
         ]
         sharding = [] if self.config is None else [
             f"sharding: {self.config.strategy}, shard {self.config.shard_size} x replicate "
             f"{self.config.replicate_size}, param_dtype {self.config.param_dtype}, reduce_dtype "
             f"{self.config.reduce_dtype}, offload {self.config.offload}"]
+        recompute = [f"plan {i}: {plan.recompute.describe()}" if several else plan.recompute.describe()
+                     for i, plan in enumerate(self.plans) if plan.recompute]
         return "\n\n".join([
-            *sharding,
+            "\n".join([*sharding, self.header()]),
             tabulate(table, headers=headers),
-            tabulate(buckets, headers=["bucket", "params", "gathered", "kept fw->bw", "prefetch (gathers ahead)"])
-            if buckets else "no buckets (one rank: nothing to gather)",
+            tabulate(buckets, headers=bucket_headers) if buckets else "no buckets (one rank: nothing to gather)",
             tabulate(summary, headers=["graph", "est ms", "compute ms", "comm ms", "exposed comm ms", "peak live",
                                        "fingerprint", "codegen"]),
-            *([self.recompute.describe()] if self.recompute else []),
+            *recompute,
         ])
 
     def __str__(self) -> str:
@@ -215,7 +255,7 @@ class Report:
             for node, seconds in timeline.time_after.items():
                 ts = (offset + seconds) * 1e6
                 events.append({"name": "estimated live bytes", "ph": "C", "pid": process, "ts": ts,
-                               "args": {"bytes": node.meta.get(LIVE_BYTES, 0)}})
+                               "args": {"bytes": node_meta(node).live_bytes or 0}})
                 events.append({"name": "bytes in flight", "ph": "C", "pid": process, "ts": ts,
                                "args": {"bytes": timeline.inflight_after.get(node, 0)}})
             offset += timeline.total
@@ -292,14 +332,12 @@ def inspect(module: nn.Module, *args: Any, options: dict | None = None, profile:
     saved_grads = [p.grad for p in params]
     for param in params:  # backward accumulates into .grad in place: keep the user's out of reach
         param.grad = None
-    captured: list[backend.CompiledGraph] = []
-    previous, backend._capture = backend._capture, captured
     try:
-        # A backend object of its own: Dynamo must compile anew, not reuse a cached graph.
-        compiled = torch.compile(module, backend=functools.partial(backend.compshard_backend, options=options))
-        measured = _measured_step(compiled, args, kwargs, profile)
+        with backend.record_compiles() as captured:
+            # A backend object of its own: Dynamo must compile anew, not reuse a cached graph.
+            compiled = torch.compile(module, backend=functools.partial(backend.compshard_backend, options=options))
+            measured = _measured_step(compiled, args, kwargs, profile)
     finally:
-        backend._capture = previous
         for param, grad in zip(params, saved_grads):
             param.grad = grad
     if not captured:

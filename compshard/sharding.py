@@ -21,12 +21,11 @@ is registered under every name the original was.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Iterator, Literal, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -38,8 +37,8 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from compshard import cost_model, eager_gather, ops
 from compshard.grad_sync import GradSync
 
-__all__ = ["shard", "full_state_dict", "sharding_config", "ShardingConfig", "ParamSpec", "param_specs", "is_sharded",
-           "STRATEGIES", "parameters_at_rest"]
+__all__ = ["shard", "sharding_config", "ShardingConfig", "ParamSpec", "param_specs", "is_sharded", "plain_class",
+           "STRATEGIES"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -84,8 +83,8 @@ class ParamSpec:
     replicate_group: str  # the group gradients are all-reduced across after reduce-scatter; "" when none
     compute_device: torch.device | None  # offload: where the shard is copied to before gathering
 
-    def layout(self, rank: int) -> ops.Layout:
-        return ops.Layout(self.full_shape, self.world_size, rank)
+    def layout(self, rank: int) -> ops.ShardLayout:
+        return ops.ShardLayout(self.full_shape, self.world_size, rank)
 
 
 def _local(param: torch.Tensor) -> torch.Tensor:
@@ -105,7 +104,7 @@ def _unshard(module: nn.Module, name: str) -> torch.Tensor:
     shard = _local(param)
     if spec.compute_device is not None:
         shard = shard.to(spec.compute_device, non_blocking=True)
-    grad_sync, grad_sink = module._compshard_grad_sync.mode(spec.fqn)
+    grad_sync, grad_sink = module._compshard_grad_sync.claim(spec.fqn)
     args = (list(spec.full_shape), spec.world_size, spec.group_name, spec.fqn, spec.param_dtype, spec.reduce_dtype,
             spec.reshard_after_forward, spec.replicate_group, grad_sync, grad_sink)
     if torch.compiler.is_compiling():
@@ -126,24 +125,10 @@ def _install_properties(module: nn.Module, names: tuple[str, ...]) -> None:
     module.__class__ = _SHARDED_CLASSES[key]
 
 
-@contextlib.contextmanager
-def parameters_at_rest(module: nn.Module) -> Iterator[nn.Module]:
-    """Within the block, ``module.<name>`` returns the stored shard Parameter (no gather).
-
-    For code that walks a model by ``getattr`` outside forward, such as
-    ``torch.distributed.checkpoint.state_dict``, which would otherwise all-gather every
-    parameter it names. The sharded modules get their classes back on exit; nothing
-    else changes, so compiled code stays valid.
-    """
-    sharded_classes = set(_SHARDED_CLASSES.values())
-    swapped = [(sub, type(sub)) for sub in module.modules() if type(sub) in sharded_classes]
-    for sub, cls in swapped:
-        sub.__class__ = cls.__bases__[0]
-    try:
-        yield module
-    finally:
-        for sub, cls in swapped:
-            sub.__class__ = cls
+def plain_class(cls: type) -> type | None:
+    """The class a module had before ``shard`` gave it sharded parameter attributes (None:
+    ``cls`` is not such a class)."""
+    return cls.__bases__[0] if cls in _SHARDED_CLASSES.values() else None
 
 
 def _check_dtype(option: str, value: torch.dtype | None) -> None:
@@ -361,13 +346,15 @@ def shard(
                     compute_device=compute_device,
                 )
                 sharded[id(original)] = (_shard_param(original, spec, mesh, groups), spec)
+                grad_sync.specs[spec.fqn] = spec
                 original._compshard_replaced_by_shard = spec.fqn
             new_param, specs[name] = sharded[id(original)]
             sub._parameters[name] = new_param
         sub._compshard_specs = specs
         sub._compshard_grad_sync = grad_sync
         _install_properties(sub, names)
-        if sub is not module:  # the root's hooks would run outside its compiled forward, as graphs of their own
+        # The root's hooks would run outside its compiled forward, as graphs of their own.
+        if sub is not module and eager_gather.needs_call_scope(sub):
             eager_gather.install_call_scope(sub, _unshard)
     if buffer_dtype is not None:
         for sub in module.modules():
@@ -463,20 +450,3 @@ def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, 
     if spec.compute_device is not None:
         local = local.cpu().pin_memory()
     return nn.Parameter(local, requires_grad=param.requires_grad)
-
-
-def full_state_dict(module: nn.Module, *, rank0_only: bool = False) -> dict[str, torch.Tensor]:
-    """Full (unsharded) CPU tensors under the unsharded model's ``state_dict()`` keys.
-
-    Collective: every rank must call it. With ``rank0_only`` ranks other than 0 return
-    an empty dict (they still take part in the gathers).
-    """
-    gathered: dict[int, torch.Tensor] = {}
-    result = {}
-    for key, value in module.state_dict(keep_vars=True).items():
-        if id(value) not in gathered:
-            full = value.full_tensor() if isinstance(value, DTensor) else value
-            gathered[id(value)] = full.detach().to("cpu", copy=True)
-        result[key] = gathered[id(value)]
-    keep = not rank0_only or not dist.is_initialized() or dist.get_rank() == 0
-    return result if keep else {}

@@ -4,7 +4,7 @@ Compute nodes run one after another for their estimated seconds; a collective st
 queues its collective on the communication stream (first in, first out, each for its
 ``alpha + bytes * beta``); a wait holds the compute stream until its collective ends.
 The time compute spends held is the exposed communication. Estimates come from the
-nodes' ``compshard_seconds`` (see the ``estimate_costs`` pass).
+nodes' ``NodeMeta.seconds`` (see the ``estimate_costs`` pass).
 """
 
 from __future__ import annotations
@@ -13,8 +13,7 @@ from dataclasses import dataclass, field
 
 from torch import fx
 
-from compshard.passes.estimate_costs import SECONDS
-from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY
+from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
 
 
 @dataclass
@@ -42,22 +41,23 @@ def simulate(graph: fx.Graph) -> Timeline:
     ends: dict[fx.Node, float] = {}
     inflight: dict[fx.Node, int] = {}
     for node in graph.nodes:
-        meta = node.meta.get(META_KEY) or {}
-        kind = meta.get("kind", "compute")
-        seconds = node.meta.get(SECONDS, 0.0)
+        meta = node_meta(node)
+        kind = meta.kind or "compute"
+        seconds = meta.seconds or 0.0
         if kind in COLLECTIVE_KINDS:
             begin = max(now, comm_free)
             comm_free = ends[node] = begin + seconds
             timeline.spans.append(Span(node.name, "comm", begin, comm_free, kind))
             timeline.comm += seconds
-            inflight[node] = meta["bytes"]
+            inflight[node] = meta.bytes
         elif kind == "wait":
-            ready = ends.get(node.args[0], now)
+            (start,) = node.args
+            ready = ends.get(start, now)
             if ready > now:
                 timeline.spans.append(Span(node.name, "compute", now, ready, "wait"))
                 timeline.exposed_comm += ready - now
                 now = ready
-            inflight.pop(node.args[0], None)
+            inflight.pop(start, None)
         elif node.op == "call_function" and seconds:
             timeline.spans.append(Span(node.name, "compute", now, now + seconds, kind))
             now += seconds

@@ -114,11 +114,11 @@ def test_bad_scheduling_options(options, message):
 
 
 def test_bucket_plan_follows_blocks_patterns_sizes_and_budget():
-    from compshard.passes.assign_buckets import _Param, plan_buckets
+    from compshard.passes.assign_buckets import BucketParam, plan_buckets
 
     names = ["wte.weight", "wpe.weight"] + [f"blocks.{i}.{m}" for i in range(2) for m in ("ln.weight", "fc.weight")]
     names.append("ln_f.weight")
-    params = [_Param(name, 100, ("group", 2, torch.float32, None), keep=False) for name in names]
+    params = [BucketParam(name, 100, ("group", 2, torch.float32, None), keep=False) for name in names]
 
     def plan(last_in_forward=None, **options):
         buckets = plan_buckets(params, compshard.CompileOptions(**options), last_in_forward)
@@ -131,7 +131,7 @@ def test_bucket_plan_follows_blocks_patterns_sizes_and_budget():
     # the bucket used last in forward stays gathered into backward
     assert [keep for _, _, keep in plan("ln_f.weight")] == [True, False, False]
     assert [keep for _, _, keep in plan("blocks.1.fc.weight")] == [False, False, True]
-    one_rank = [_Param(p.name, p.nbytes, ("", 1, torch.float32, None), keep=False) for p in params]
+    one_rank = [BucketParam(p.name, p.nbytes, ("", 1, torch.float32, None), keep=False) for p in params]
     assert not any(b.keep_gathered for b in plan_buckets(one_rank, compshard.CompileOptions(), "ln_f.weight"))
     assert len(plan(buckets="none")) == len(names)
     assert [len(p) for _, p, _ in plan(buckets=250 / 2**20)] == [2, 2, 2, 1]  # 250 bytes: two 100-byte params each
@@ -140,7 +140,7 @@ def test_bucket_plan_follows_blocks_patterns_sizes_and_budget():
     # a budget of 200 bytes keeps exactly one of the smallest buckets (the first by name)
     assert [keep for _, _, keep in plan(memory_budget_mb=200 / 2**20)] == [False, True, False]
     # a block holding two gather dtypes becomes one bucket per dtype: collectives never mix keys
-    bf16 = _Param("blocks.0.half.weight", 100, ("group", 2, torch.bfloat16, None), keep=False)
+    bf16 = BucketParam("blocks.0.half.weight", 100, ("group", 2, torch.bfloat16, None), keep=False)
     split = plan_buckets(params[:4] + [bf16] + params[4:], compshard.CompileOptions())
     assert [(b.name, len(b.params)) for b in split][1:3] == [("blocks.0#0", 2), ("blocks.0#1", 1)]
 
@@ -185,12 +185,9 @@ def test_compiled_forward_saves_no_more_than_eager_autograd():
         model(*batch)
     compshard.shard(model)
     torch._dynamo.reset()
-    backend._capture = []
-    try:
+    with backend.record_compiles() as compiled:
         torch.compile(model, backend="compshard")(*batch)
-        forward = next(g.gm for g in backend._capture if g.kind == "forward")
-    finally:
-        backend._capture = None
+    forward = next(g.gm for g in compiled if g.kind == "forward")
     output = next(iter(forward.graph.find_nodes(op="output")))
     compiled_saved = {}
     for node in output.all_input_nodes:

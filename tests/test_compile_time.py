@@ -7,7 +7,8 @@ are the ones it replaced.
   the dynamic graph's loss equals the unsharded eager model's. Estimates read size
   hints; a guard on a size would make every new length compile again.
 - Coalescing prices each candidate plan from one lowered copy of the graph
-  (``_PeakModel``); every price equals the peak of a copy lowered with that plan.
+  (``PeakModel``); every price equals the peak of a copy lowered with that plan
+  (``lowered_peak``).
 - ``compshard.inspect`` reports the seconds of every pass.
 - World size 1: a ``torch.utils.checkpoint`` region inside a compiled sharded module trains.
 
@@ -50,9 +51,7 @@ def _compiles(dynamic, batches, mark: bool = False) -> dict:
     reference = GPT(GPT_CONFIG)
     model = compshard.shard(copy.deepcopy(reference))
     compiled = torch.compile(model, backend="compshard", dynamic=dynamic)
-    captured: list = []
-    previous, backend._capture = backend._capture, captured
-    try:
+    with backend.record_compiles() as captured:
         for x, y in batches:
             if mark:
                 torch._dynamo.mark_dynamic(x, 0)
@@ -61,8 +60,6 @@ def _compiles(dynamic, batches, mark: bool = False) -> dict:
                 torch._dynamo.mark_dynamic(y, 1)
             loss = compiled(x, y)
             loss.backward()
-    finally:
-        backend._capture = previous
     with torch.no_grad():
         expected = reference(*batches[-1])
     return {"forward_graphs": sum(g.kind == "forward" for g in captured), "loss": loss.item(),
@@ -73,28 +70,28 @@ def _peak_model_matches_lowering() -> dict:
     """Every coalescing trial priced both ways (buckets "none": one trial per parameter)."""
     coalesce = importlib.import_module("compshard.passes.coalesce_collectives")
     built, prices = [], []
-    original_build, original_peak = coalesce._PeakModel.build, coalesce._PeakModel.peak
+    original_build, original_peak = coalesce.PeakModel.build, coalesce.PeakModel.peak
 
-    def build(graph, ctx, plan):
-        model = original_build(graph, ctx, plan)
+    def build(graph, ctx, buckets, plan):
+        model = original_build(graph, ctx, buckets, plan)
         built.append(model is not None)
         if model is not None:
-            model.trial_inputs = (graph, ctx)
+            model.trial_inputs = (graph, ctx, buckets)
         return model
 
     def peak(self, plan):
         fast = original_peak(self, plan)
-        prices.append((fast, coalesce._estimated_peak(*self.trial_inputs, plan)))
+        prices.append((fast, coalesce.lowered_peak(*self.trial_inputs, plan)))
         return fast
 
-    coalesce._PeakModel.build, coalesce._PeakModel.peak = staticmethod(build), peak
+    coalesce.PeakModel.build, coalesce.PeakModel.peak = staticmethod(build), peak
     try:
         torch._dynamo.reset()
         torch.manual_seed(0)
         model = compshard.shard(GPT(GPT_CONFIG))
         report = compshard.inspect(model, *_batch(16, 0), options={"buckets": "none"})
     finally:
-        coalesce._PeakModel.build, coalesce._PeakModel.peak = original_build, original_peak
+        coalesce.PeakModel.build, coalesce.PeakModel.peak = original_build, original_peak
     return {"built": built, "prices": prices, "pass_seconds": report.pass_seconds,
             "coalesced": sum("+" in (c["bucket"] or "") for c in report.collectives)}
 
@@ -134,7 +131,7 @@ def test_coalescing_prices_equal_lowered_copies(results):
 def test_inspect_reports_seconds_per_pass(results):
     seconds = results[0]["coalesce"]["pass_seconds"]
     for graph in ("dynamo", "joint", "forward", "backward"):
-        assert list(seconds[graph]) == [pass_.__name__ for pass_ in PIPELINES[graph]], graph
+        assert list(seconds[graph]) == [step.name for step in PIPELINES[graph]], graph
 
 
 class _Checkpointed(nn.Module):

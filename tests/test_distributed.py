@@ -17,9 +17,9 @@ from torch.distributed.tensor import DTensor
 
 import compshard
 from compshard import ops
-from compshard.passes import PIPELINES
-from compshard.passes.fx_utils import aliases
-from compshard.passes.insert_free import gathered_buffers, insert_free
+from compshard.compile_plan import COLLECTIVE_KINDS, NodeMeta, node_meta
+from compshard.passes.fx_utils import aliases, gathered_buffers
+from tests.allocations import allocations, peak_rise
 from tests.distributed import run_distributed
 from tests.models import make_model
 from tests.trace_checks import check_trace
@@ -33,7 +33,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _padded_numel(t: torch.Tensor, world_size: int) -> int:
-    return t.numel() if t.dim() == 0 else ops.Layout(tuple(t.shape), world_size, 0).padded_shard_numel
+    return t.numel() if t.dim() == 0 else ops.ShardLayout(tuple(t.shape), world_size, 0).padded_shard_numel
 
 
 def _state_bytes(model, opt, world_size: int) -> tuple[int, int]:
@@ -110,18 +110,32 @@ def test_state_at_rest_is_one_nth_plus_padding(parity_results):
 # ------------------------------------------------------------------------ schedule (world 2)
 
 
+def _metadata_complete(report) -> bool:
+    """Every scheduled node names parameters of the model; every collective start, wait
+    and free moves bytes; a bucketed node names buckets of the plan holding its parameters."""
+    params = {b["name"]: set(b["params"]) for b in report.buckets}
+    for gm in report.graphs.values():
+        for node in gm.graph.nodes:
+            meta = node_meta(node)
+            if meta.kind is None:
+                continue
+            if not meta.params or not set(meta.params) <= set().union(*params.values()):
+                return False
+            if meta.kind in (*COLLECTIVE_KINDS, "wait", "free") and meta.bytes <= 0:
+                return False
+            if meta.buckets and not set(meta.params) <= set().union(*(params.get(b, set()) for b in meta.buckets)):
+                return False
+    return True
+
+
 def _schedule_facts(report) -> dict:
     forward = report.graphs["forward"]
     outputs = set(next(iter(forward.graph.find_nodes(op="output"))).all_input_nodes)
     saved_gathered = [p for b in gathered_buffers(forward.graph) if set(aliases(b)) & outputs
-                      for p in b.meta["compshard"]["params"]]
-    inserted = [n for gm in report.graphs.values() for n in gm.graph.nodes if "compshard" in n.meta]
+                      for p in node_meta(b).params]
     return {
         "saved_gathered": saved_gathered,
-        "metadata_complete": all(
-            n.meta["compshard"]["params"] and n.meta["compshard"]["unit"] is not None and n.meta["compshard"]["bytes"] >= 0
-            for n in inserted
-        ),
+        "metadata_complete": _metadata_complete(report),
         "kinds": [(c["graph"], c["kind"], tuple(c["params"])) for c in report.collectives],
         "fingerprints": report.fingerprints,
         "backward_gathers": sum(1 for c in report.collectives if c["graph"] == "backward" and c["kind"] == "all_gather"),
@@ -149,9 +163,8 @@ def _independent_checks(graph) -> dict:
     follows its start, nothing reads a gathered value before its wait, and the largest
     bytes of all-gathers (and of reduce-scatters) in flight together."""
     order = {node: i for i, node in enumerate(graph.nodes)}
-    starts = {n: n.meta["compshard"] for n in graph.nodes
-              if n.meta.get("compshard", {}).get("kind") in ("all_gather", "reduce_scatter")}
-    waits = {n.args[0]: n for n in graph.nodes if n.meta.get("compshard", {}).get("kind") == "wait"}
+    starts = {n: node_meta(n) for n in graph.nodes if node_meta(n).kind in ("all_gather", "reduce_scatter")}
+    waits = {n.all_input_nodes[0]: n for n in graph.nodes if node_meta(n).kind == "wait"}
     ordered = all(order[waits[s]] > order[s] for s in starts if s in waits) and set(waits) >= set(starts)
     early_use = [n.name for b in gathered_buffers(graph) for a in aliases(b) for n in a.users
                  if n.op != "output" and order[n] < order[b]]
@@ -160,32 +173,25 @@ def _independent_checks(graph) -> dict:
     for node in graph.nodes:
         if node in starts:
             inflight[node] = starts[node]
-            peak[starts[node]["kind"]].append(
-                [m["bytes"] for m in inflight.values() if m["kind"] == starts[node]["kind"]])
-        elif node.meta.get("compshard", {}).get("kind") == "wait":
-            inflight.pop(node.args[0], None)
+            peak[starts[node].kind].append([m.bytes for m in inflight.values() if m.kind == starts[node].kind])
+        elif node_meta(node).kind == "wait":
+            inflight.pop(node.all_input_nodes[0], None)
     return {"ordered": ordered, "early_use": early_use, "inflight": peak}
 
 
-def _allocations(prof) -> list[tuple[int, int]]:
-    """(time, bytes) of every allocation (bytes > 0) and free (bytes < 0) the profiler saw."""
-    from torch._C._profiler import _EventType
-
-    events, pending = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while pending:
-        event = pending.pop()
-        pending.extend(event.children)
-        if event.tag == _EventType.Allocation:
-            events.append((event.start_time_ns, event.extra_fields.alloc_size))
-    return events
+def _gather_index(graph) -> dict[str, int]:
+    """Bucket -> index of its all-gather among the graph's all-gathers, in order of their waits."""
+    starts = [n.all_input_nodes[0] for n in graph.nodes if node_meta(n).kind == "wait"]
+    gathers = [start for start in starts if node_meta(start).kind == "all_gather"]
+    return {bucket: i for i, start in enumerate(gathers) for bucket in node_meta(start).buckets}
 
 
 def _scratch_check(world_size: int) -> dict:
     """Bytes gloo allocates for itself during an all-gather and a reduce-scatter (profiler
     allocation events, the output excluded) against the memory estimate's figure."""
     from torch.distributed.distributed_c10d import _get_default_group
-    from compshard.passes.estimate_memory import backend_scratch_bytes
-    from compshard.passes.fx_utils import c10d, schedule_meta
+    from compshard.passes.memory_model import backend_scratch_bytes
+    from compshard.passes.fx_utils import c10d
 
     group = _get_default_group().group_name
     shard, full = torch.randn(4096), torch.randn(4096 * world_size)
@@ -198,27 +204,14 @@ def _scratch_check(world_size: int) -> dict:
         inputs = [graph.placeholder(f"x{i}") for i, _ in enumerate(args[:1])]
         inputs[0].meta["val"] = args[0]
         start = graph.call_function(op, (inputs[0], *args[1:]), kwargs)
-        start.meta.update(val=kwargs.get("out", torch.empty(4096)), compshard=schedule_meta(kind, ["p"], 0))
+        start.meta.update(val=kwargs.get("out", torch.empty(4096)), compshard=NodeMeta(kind, ("p",)))
         graph.call_function(c10d.wait_tensor.default, (start,))
         run = lambda: c10d.wait_tensor.default(op(*args, **kwargs))  # noqa: E731
         run()
-        with torch.profiler.profile(profile_memory=True) as prof:
-            result = run()
-        allocated = sum(size for _, size in _allocations(prof) if size > 0)
-        output = 0 if kwargs else result.numel() * result.element_size()  # an out= op allocates no output
+        allocated = sum(size for size in allocations(run) if size > 0)
+        output = 0 if kwargs else shard.nbytes  # an out= op allocates no output; a reduce-scatter this rank's rows
         found[kind] = (allocated - output, backend_scratch_bytes(start))
     return found
-
-
-def _step_peak_bytes(step) -> int:
-    """The largest rise of live tensor bytes while ``step`` runs (profiler allocation events)."""
-    with torch.profiler.profile(profile_memory=True) as prof:
-        step()
-    live = peak = 0
-    for _, size in sorted(_allocations(prof)):
-        live += size
-        peak = max(peak, live)
-    return peak
 
 
 def _step_peaks(rank: int, world_size: int) -> dict:
@@ -242,8 +235,19 @@ def _step_peaks(rank: int, world_size: int) -> dict:
             losses.append(loss.detach())
 
         step()
-        found[codegen] = {"loss": losses[0], "peak": _step_peak_bytes(step)}
+        found[codegen] = {"loss": losses[0], "peak": peak_rise(step)}
     return found
+
+
+def _compiled(model, local: tuple, options: dict | None = None) -> tuple:
+    """Compile a sharded copy of ``model`` and run one step; return the report of what was
+    compiled and the measured peak of a second forward (allocations above what was live)."""
+    torch._dynamo.reset()
+    sharded = compshard.shard(copy.deepcopy(model))
+    step_model = torch.compile(sharded, backend="compshard", options=options)
+    with compshard.backend.record_compiles() as graphs:
+        step_model(*local).backward()
+    return compshard.Report(graphs, config=compshard.sharding_config(sharded)), peak_rise(lambda: step_model(*local))
 
 
 def schedule_worker(rank: int, world_size: int) -> dict:
@@ -253,6 +257,8 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     report = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, profile=True)
     results["reshard"] = _schedule_facts(report)
     results["peak_bytes"] = {"auto": report.peak_bytes}
+    auto, measured = _compiled(model, local)
+    results["forward_peak"] = {"auto": (auto.peak_bytes["forward"], measured)}
     with tempfile.TemporaryDirectory() as folder:
         report.save_trace(os.path.join(folder, "trace.json"))
         with open(os.path.join(folder, "trace.json")) as file:
@@ -260,6 +266,7 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     results["trace"] = {
         "events": events if rank == 0 else [],
         "buckets": report.buckets,
+        "gather_index": {kind: _gather_index(gm.graph) for kind, gm in report.graphs.items()},
         "exposed": {kind: t.exposed_comm for kind, t in report.timelines.items()},
     }
     torch._dynamo.reset()
@@ -273,11 +280,13 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         "freed": sorted(p for c in inference.collectives if (c["kind"], c["of"]) == ("free", "params")
                         for p in c["params"]),
     }
-    torch._dynamo.reset()
-    late = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options={"prefetch": 0})
+    late, measured = _compiled(model, local, {"prefetch": 0})
+    results["forward_peak"]["prefetch 0"] = (late.peak_bytes["forward"], measured)
     results["peak_bytes"]["prefetch 0"] = late.peak_bytes
-    torch._dynamo.reset()
-    separate = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options={"coalesce": "none"})
+    results["late"] = {"buckets": late.buckets, "exposed": {kind: t.exposed_comm for kind, t in late.timelines.items()},
+                       "comm": {kind: t.comm for kind, t in late.timelines.items()}}
+    separate, measured = _compiled(model, local, {"coalesce": "none"})
+    results["forward_peak"]["separate"] = (separate.peak_bytes["forward"], measured)
     results["separate"] = _schedule_facts(separate)
     results["peak_bytes"]["separate"] = separate.peak_bytes
     torch._dynamo.reset()
@@ -295,12 +304,13 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     results["bounded_prefetch"] = _schedule_facts(bounded)["kinds"]
 
 
-    # A rank whose compiler builds another schedule (here: rank 1 skips the free pass) is caught.
+    # A rank whose compiler builds another schedule (here: rank 1 keeps every bucket
+    # gathered for backward, so its forward frees no parameters) is caught.
     torch._dynamo.reset()
-    if rank == 1:
-        PIPELINES["forward"] = tuple(p for p in PIPELINES["forward"] if p is not insert_free)
+    options = {"prefetch": 0, "coalesce": "none", **({"memory_budget_mb": 1e6} if rank == 1 else {})}
     try:
-        torch.compile(compshard.shard(copy.deepcopy(model)), backend="compshard")(*local)
+        compiled = torch.compile(compshard.shard(copy.deepcopy(model)), backend="compshard", options=options)
+        compiled(*local)
         results["mismatch"] = None
     except Exception as error:  # noqa: BLE001 - the message is what the test checks
         results["mismatch"] = str(error)
@@ -323,11 +333,21 @@ def test_gathered_parameters_are_saved_only_for_the_last_bucket_of_forward(sched
         assert sorted(set(facts["forward_freed"])) == sorted(set(trainable) - set(last))
 
 
+def test_estimated_forward_peak_is_the_measured_one(schedule_results):
+    """The memory estimate the schedule is decided by, against the profiler's allocation
+    events of the compiled forward (which matched to the byte when this was written)."""
+    for result in schedule_results:
+        for options, (estimated, measured) in result["forward_peak"].items():
+            assert estimated == pytest.approx(measured, rel=0.05), (options, estimated, measured)
+
+
 def test_auto_prefetch_does_not_raise_the_estimated_peak(schedule_results):
     for result in schedule_results:
         peaks = result["peak_bytes"]
         for kind in ("forward", "backward"):
             assert peaks["auto"][kind] <= peaks["prefetch 0"][kind], (kind, peaks)
+        measured = {options: peak for options, (_, peak) in result["forward_peak"].items()}
+        assert measured["auto"] <= measured["prefetch 0"] * 1.05, measured
 
 
 def test_reshard_after_forward_false_keeps_parameters_gathered(schedule_results):
@@ -368,6 +388,8 @@ def test_coalesced_buckets_share_collectives_but_are_freed_apart(schedule_result
         assert coalesced["metadata_complete"]
         for graph in ("forward", "backward"):  # never at a higher estimated peak
             assert result["peak_bytes"]["auto"][graph] <= result["peak_bytes"]["separate"][graph], graph
+        measured = {options: peak for options, (_, peak) in result["forward_peak"].items()}
+        assert measured["auto"] <= measured["separate"] * 1.05, measured
 
 
 def test_memory_estimate_counts_the_backend_scratch_of_collectives(schedule_results):
@@ -411,12 +433,19 @@ def test_report_buckets_and_trace(schedule_results):
     trace = schedule_results[0]["trace"]
     assert [b["name"] for b in trace["buckets"]] == ["rest.0", "blocks.0", "blocks.1"]
     assert all(set(b["prefetch"]) == {"forward", "backward"} for b in trace["buckets"][1:3])
-    assert all(d >= 0 for b in trace["buckets"] for d in b["prefetch"].values())
+    for bucket in trace["buckets"]:  # across the uses of at most every gather before it, and the code ahead
+        for graph, distance in bucket["prefetch"].items():
+            assert 0 <= distance <= trace["gather_index"][graph][bucket["name"]] + 1, (graph, bucket)
+    late = schedule_results[0]["late"]
+    assert all(d == 0 for b in late["buckets"] for d in b["prefetch"].values()), late["buckets"]
     pids = check_trace(trace["events"], measured=True)  # profile=True adds the profiler's events
     in_flight = [e["args"]["bytes"] for e in trace["events"]
                  if e["pid"] == pids["estimated forward"] and e["name"] == "bytes in flight"]
     assert max(in_flight) > 0  # two ranks: all-gathers in flight
-    assert all(seconds >= 0 for seconds in trace["exposed"].values())
+    # prefetch 0: each forward all-gather starts at its wait, so all of it is exposed;
+    # prefetching never exposes more
+    assert late["comm"]["forward"] > 0 and late["exposed"]["forward"] == pytest.approx(late["comm"]["forward"])
+    assert trace["exposed"]["forward"] <= late["exposed"]["forward"] * (1 + 1e-9)
 
 
 @pytest.mark.parametrize("variant", list(OPTION_VARIANTS))

@@ -19,7 +19,7 @@ from torch.distributed.tensor import DTensor
 
 import compshard
 from compshard.models import GPT, GPTConfig
-from compshard.passes.partition_stages import build_stage_module, partition_stages
+from compshard.pipeline_stages import build_stage_module, partition_stages
 from compshard.pipeline import bubble_fraction
 from tests.distributed import run_distributed
 from tests.models import make_model

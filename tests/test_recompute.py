@@ -19,7 +19,7 @@ import torch
 import compshard
 from compshard import backend
 from compshard.models import GPT
-from compshard.passes.recompute import block_of_nodes
+from compshard.passes.fx_utils import block_of_nodes
 from tests.distributed import run_distributed
 from tests.models import TINY_GPT, make_model
 from tests.training import RTOL, local_batch, parity, relative_error, train_sharded
@@ -31,18 +31,13 @@ DROPOUT_SEED = 7
 
 @contextlib.contextmanager
 def _compiled_notes():
-    """Collect (recompute notes, recompute warnings) of the compiles inside the block,
-    through the hook compshard.inspect reads schedules from."""
-    captured: list = []
+    """Collect (recompute plans, recompute warnings) of the compiles inside the block,
+    through the hook compshard.inspect reads schedules from (one plan per compile)."""
     notes: list = []
-    previous, backend._capture = backend._capture, captured
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            yield notes
-    finally:
-        backend._capture = previous
-    notes.extend({id(g.shared["recompute"]): g.shared["recompute"] for g in captured if "recompute" in g.shared}.values())
+    with backend.record_compiles() as captured, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        yield notes
+    notes.extend({g.plan.number: g.plan.recompute for g in captured if g.plan.recompute}.values())
     notes.append([str(w.message) for w in caught if "recompute" in str(w.message)])
 
 

@@ -1,4 +1,5 @@
-"""compshard.inspect's report in one process: the table, the fingerprints, the trace."""
+"""compshard.inspect's report in one process: the table, the fingerprints, the trace, and
+every graph of a model with graph breaks."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import pytest
 import torch
 
 import compshard
+from compshard.compile_plan import node_meta
 from tests.models import make_model
 from tests.trace_checks import check_trace
 
@@ -46,7 +48,29 @@ def test_trace_has_one_time_origin_integer_pids_and_memory_counters(report, tmp_
     events = json.loads(path.read_text())["traceEvents"]
     check_trace(events, measured=True)
     live = [e["args"]["bytes"] for e in events if e["ph"] == "C" and e["name"] == "estimated live bytes"]
-    assert max(live) <= max(report.peak_bytes.values())  # live after a node never exceeds the peak during one
+    # one counter value per node of every graph: the estimate after it
+    nodes = [node for gm in report.graphs.values() for node in gm.graph.nodes]
+    assert sorted(live) == sorted(node_meta(node).live_bytes for node in nodes)
+
+
+def test_report_covers_every_graph_of_a_model_with_graph_breaks():
+    torch._dynamo.reset()
+    model, batch = make_model("gpt-graph-break")
+    compshard.shard(model)
+    with compshard.backend.record_compiles() as compiled:
+        report = compshard.inspect(model, *batch)
+    plans = list(dict.fromkeys(g.plan.number for g in compiled))
+    assert len(plans) > 1 and len(report.plans) == len(plans)  # one plan per Dynamo graph
+    expected = {f"{g.kind}.{plans.index(g.plan.number)}" for g in compiled}
+    assert set(report.graphs) == set(report.fingerprints) == set(report.timelines) == set(report.peak_bytes) == expected
+    assert len(report.graphs) == len(compiled)
+    header = str(report).split("\n\n")[0]
+    assert f"compiled {len(compiled)} graphs in {len(plans)} plans" in header
+    # every plan's buckets: between them, every parameter of the model
+    with_buckets = {b["plan"] for b in report.buckets}
+    assert with_buckets <= set(range(len(plans))) and len(with_buckets) > 1
+    assert {p for b in report.buckets for p in b["params"]} == {name for name, _ in model.named_parameters()}
+    assert all(f"{kind}.{i}" in report.pass_seconds for i in range(len(plans)) for kind in ("dynamo", "forward"))
 
 
 def test_version():

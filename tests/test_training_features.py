@@ -18,6 +18,8 @@ from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compshard
+from compshard.compile_plan import node_meta
+from compshard.passes.fx_utils import op_arg
 from tests.distributed import run_distributed
 from tests.models import MLP, make_model
 from tests.training import ADAMW, RTOL, local_batch, parity, relative_error, train_reference
@@ -138,9 +140,9 @@ def _mixed_precision(rank: int, world_size: int) -> dict:
     compshard.shard(model, param_dtype=BF16, reduce_dtype=torch.float32)
     report = compshard.inspect(model, *local_batch(batch, rank, world_size))
     results["collective_dtypes"] = sorted({
-        (node.meta["compshard"]["kind"], str(node.meta["val"].dtype))
+        (node_meta(node).kind, str(node.meta["val"].dtype))
         for gm in report.graphs.values() for node in gm.graph.nodes
-        if node.meta.get("compshard", {}).get("kind") in ("all_gather", "reduce_scatter")})
+        if node_meta(node).kind in ("all_gather", "reduce_scatter")})
     return results
 
 
@@ -153,7 +155,7 @@ ACCUMULATION_STEPS = 2
 def _reductions_compiled(graphs: list) -> int:
     """Gradient reductions (reduce-scatter and all-reduce starts) in compiled graphs."""
     return sum(1 for g in graphs for node in g.gm.graph.nodes
-               if node.meta.get("compshard", {}).get("kind") in ("reduce_scatter", "all_reduce"))
+               if node_meta(node).kind in ("reduce_scatter", "all_reduce"))
 
 
 def _accumulate(name: str, rank: int, world_size: int, compiled: bool) -> dict:
@@ -180,13 +182,11 @@ def _accumulate(name: str, rank: int, world_size: int, compiled: bool) -> dict:
 
     def run(phase: str, inputs) -> torch.Tensor:
         counter, graphs = phases[phase]
-        previous, compshard.backend._capture = compshard.backend._capture, graphs
-        try:
+        with compshard.backend.record_compiles() as compiled_now:
             with counter if not compiled else contextlib.nullcontext():
                 part = step_model(*inputs) / MICRO_BATCHES
                 part.backward()
-        finally:
-            compshard.backend._capture = previous
+        graphs.extend(compiled_now)
         return part.detach()
 
     for _ in range(ACCUMULATION_STEPS):
@@ -221,14 +221,14 @@ def _schedule(model, batch, rank: int, world_size: int) -> dict:
     """The (graph, collective kind) pairs compiled, and (kind, size of its process group);
     one collective per bucket (no coalescing), so the order of reductions is per bucket."""
     report = compshard.inspect(model, *local_batch(batch, rank, world_size), options={"coalesce": "none"})
-    sizes = {(node.meta["compshard"]["kind"], dist.get_world_size(compshard.ops.resolve_group(node.args[-1])))
+    sizes = {(node_meta(node).kind, dist.get_world_size(compshard.ops.resolve_group(op_arg(node, "group_name"))))
              for gm in report.graphs.values() for node in gm.graph.nodes
-             if node.meta.get("compshard", {}).get("kind") in ("all_gather", "reduce_scatter", "all_reduce")}
+             if node_meta(node).kind in ("all_gather", "reduce_scatter", "all_reduce")}
     kinds = {(c["graph"], c["kind"]) for c in report.collectives if c["kind"] != "free"}
     reductions: dict = {}  # backward: gradient collective starts and their waits, in graph order
     sequence = []
     for node in report.graphs["backward"].graph.nodes:
-        kind = node.meta.get("compshard", {}).get("kind")
+        kind = node_meta(node).kind
         if kind in ("reduce_scatter", "all_reduce"):
             reductions[node] = kind
             sequence.append(kind)

@@ -1,32 +1,44 @@
-"""The pass pipeline: which graph passes run, on which graph, in what order.
+"""The pass pipeline: which steps run, on which graph, in what order, and what each
+takes and returns.
 
-Each pass is ``pass_(gm, ctx) -> None``, rewriting ``gm.graph`` in place, in its own
-module whose docstring states what holds before and after it.
+Each step is a plain function ``step(graph, ctx, *plans) -> plan or None`` in its own
+module, whose docstring states what holds before and after it. Its parameters after the
+graph and the :class:`PassContext` name the plans it takes, fields of
+:class:`~compshard.compile_plan.CompilePlan` (``buckets``, ``recompute``,
+``saved_count``) or of the graph's :class:`~compshard.compile_plan.GraphPlan`
+(``coalescing``, ...); ``provides`` names the field its return value fills. A planning
+step leaves the graph unchanged and returns a plan; a rewriting pass takes plans and
+returns None.
 
   dynamo graph   dedupe_unshard
-  joint graph    drop_redundant_clones, assign_buckets, tag_gathered_params, recompute,
-                 then the min-cut partitioner
-  forward        agree_shapes, coalesce_collectives, lower_unshard, agree_lowered_shapes,
-                 estimate_costs, prefetch, insert_free, estimate_memory, check_schedule,
-                 restore_shapes
-  backward       agree_shapes, coalesce_collectives, lower_unshard, lower_reduce_grad,
-                 agree_lowered_shapes, estimate_costs, prefetch, bound_reduce_scatters,
-                 insert_free, estimate_memory, check_schedule, restore_shapes
-  inference      drop_redundant_clones, assign_buckets (no joint graph is made for
-                 inference), then as forward
+  joint graph    drop_redundant_clones, assign_buckets -> buckets, tag_gathered_params(buckets),
+                 recompute -> recompute; then the partition (``partition.py``: the
+                 min-cut partitioner, -> saved_count and the recompute plan's saved bytes)
+  forward        agree_shapes, coalesce_collectives(buckets) -> coalescing,
+                 lower_unshard(buckets, coalescing), agree_lowered_shapes, estimate_costs,
+                 prefetch -> prefetch, insert_free, estimate_memory -> peak_bytes,
+                 check_schedule(buckets, saved_count) -> fingerprint, restore_shapes
+  backward       as forward, with lower_reduce_grad(buckets, coalescing) after
+                 lower_unshard and bound_gradient_reductions after prefetch
+  inference      drop_redundant_clones, assign_buckets -> buckets (no joint graph is made
+                 for inference), then as forward
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 import time
-from typing import Callable, Sequence
+from dataclasses import dataclass, fields, replace
+from typing import Callable
 
 from torch import fx
 
-from compshard.passes.agree_shapes import agree_lowered_shapes, agree_shapes, restore_shapes
+from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan
+from compshard.passes.agree_shapes import agree_lowered_shapes, agree_shapes
 from compshard.passes.assign_buckets import assign_buckets
-from compshard.passes.bound_reduce_scatters import bound_reduce_scatters
-from compshard.passes.check_schedule import ScheduleError, check_schedule
+from compshard.passes.bound_gradient_reductions import bound_gradient_reductions
+from compshard.passes.check_schedule import check_schedule
 from compshard.passes.coalesce_collectives import coalesce_collectives
 from compshard.passes.context import PassContext
 from compshard.passes.dedupe_unshard import dedupe_unshard
@@ -38,40 +50,77 @@ from compshard.passes.lower_reduce_grad import lower_reduce_grad
 from compshard.passes.lower_unshard import lower_unshard
 from compshard.passes.prefetch import prefetch
 from compshard.passes.recompute import recompute
+from compshard.passes.restore_shapes import restore_shapes
 from compshard.passes.tag_gathered_params import tag_gathered_params
 
-Pass = Callable[[fx.GraphModule, PassContext], None]
+__all__ = ["PIPELINES", "PassContext", "Step", "run_passes"]
 
-PIPELINES: dict[str, Sequence[Pass]] = {
-    "dynamo": (dedupe_unshard,),
-    "joint": (drop_redundant_clones, assign_buckets, tag_gathered_params, recompute),
-    "forward": (agree_shapes, coalesce_collectives, lower_unshard, agree_lowered_shapes, estimate_costs, prefetch,
-                insert_free, estimate_memory, check_schedule, restore_shapes),
-    "backward": (agree_shapes, coalesce_collectives, lower_unshard, lower_reduce_grad, agree_lowered_shapes,
-                 estimate_costs, prefetch, bound_reduce_scatters, insert_free, estimate_memory, check_schedule,
-                 restore_shapes),
-    "inference": (drop_redundant_clones, assign_buckets, agree_shapes, coalesce_collectives, lower_unshard,
-                  agree_lowered_shapes, estimate_costs, prefetch, insert_free, estimate_memory, check_schedule,
-                  restore_shapes),
+_COMPILE_FIELDS = frozenset(f.name for f in fields(CompilePlan)) - {"number", "graphs"}
+_GRAPH_FIELDS = frozenset(f.name for f in fields(GraphPlan)) - {"kind", "pass_seconds"}
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a pipeline: ``run(graph, ctx, **takes)``, whose result fills the plan
+    field ``provides`` (None: the step returns nothing)."""
+
+    run: Callable
+    provides: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.run.__name__
+
+    @functools.cached_property
+    def takes(self) -> tuple[str, ...]:
+        """The plan fields the step takes: its parameters after ``graph`` and ``ctx``
+        (keyword-only ones with defaults are not plans)."""
+        parameters = list(inspect.signature(self.run).parameters.values())[2:]
+        return tuple(p.name for p in parameters if p.kind is not inspect.Parameter.KEYWORD_ONLY)
+
+    def __post_init__(self) -> None:
+        for name in (*self.takes, *([self.provides] if self.provides else [])):
+            if name not in _COMPILE_FIELDS | _GRAPH_FIELDS:
+                raise TypeError(f"compshard: step {self.name} names {name!r}, which is not a plan field; plan "
+                                f"fields are {sorted(_COMPILE_FIELDS | _GRAPH_FIELDS)}")
+
+
+PIPELINES: dict[GraphKind, tuple[Step, ...]] = {
+    "dynamo": (Step(dedupe_unshard),),
+    "joint": (Step(drop_redundant_clones), Step(assign_buckets, "buckets"), Step(tag_gathered_params),
+              Step(recompute, "recompute")),
+    "forward": (Step(agree_shapes), Step(coalesce_collectives, "coalescing"), Step(lower_unshard),
+                Step(agree_lowered_shapes), Step(estimate_costs), Step(prefetch, "prefetch"), Step(insert_free),
+                Step(estimate_memory, "peak_bytes"), Step(check_schedule, "fingerprint"), Step(restore_shapes)),
+    "backward": (Step(agree_shapes), Step(coalesce_collectives, "coalescing"), Step(lower_unshard),
+                 Step(lower_reduce_grad), Step(agree_lowered_shapes), Step(estimate_costs), Step(prefetch, "prefetch"),
+                 Step(bound_gradient_reductions), Step(insert_free), Step(estimate_memory, "peak_bytes"),
+                 Step(check_schedule, "fingerprint"), Step(restore_shapes)),
+    "inference": (Step(drop_redundant_clones), Step(assign_buckets, "buckets"), Step(agree_shapes),
+                  Step(coalesce_collectives, "coalescing"), Step(lower_unshard), Step(agree_lowered_shapes),
+                  Step(estimate_costs), Step(prefetch, "prefetch"), Step(insert_free),
+                  Step(estimate_memory, "peak_bytes"), Step(check_schedule, "fingerprint"), Step(restore_shapes)),
 }
 
 
-def run_passes(gm: fx.GraphModule, ctx: PassContext) -> None:
-    """Run the pipeline for ``ctx.graph`` on ``gm``; lint after each pass when ``verify``.
-
-    Records each pass's wall seconds in ``ctx.notes["pass_seconds"]`` (pass name ->
-    seconds, in pipeline order) and under ``ctx.shared["pass_seconds"][ctx.graph]``, so
-    the report sees the joint graph's passes too."""
+def run_passes(gm: fx.GraphModule, ctx: PassContext, plan: CompilePlan) -> CompilePlan:
+    """Run the pipeline for ``ctx.graph`` on ``gm``; return ``plan`` with what its steps
+    decided and this graph's :class:`GraphPlan` appended (with each step's wall seconds).
+    Lints the graph after each step when ``verify``."""
+    graph_plan = GraphPlan(ctx.graph)
     seconds: dict[str, float] = {}
-    for pass_ in PIPELINES[ctx.graph]:
+    for step in PIPELINES[ctx.graph]:
         started = time.perf_counter()
-        pass_(gm, ctx)
+        takes = {name: getattr(plan if name in _COMPILE_FIELDS else graph_plan, name) for name in step.takes}
+        result = step.run(gm.graph, ctx, **takes)
+        if step.provides in _COMPILE_FIELDS:
+            plan = replace(plan, **{step.provides: result})
+        elif step.provides is not None:
+            graph_plan = replace(graph_plan, **{step.provides: result})
+        elif result is not None:
+            raise TypeError(f"compshard: step {step.name} returned a value but provides no plan field")
         if ctx.options.verify:
             gm.graph.lint()
-        seconds[pass_.__name__] = time.perf_counter() - started
+        seconds[step.name] = time.perf_counter() - started
     gm.recompile()
-    ctx.notes["pass_seconds"] = seconds
-    ctx.shared.setdefault("pass_seconds", {})[ctx.graph] = seconds
-
-
-__all__ = ["PIPELINES", "PassContext", "ScheduleError", "run_passes"]
+    return replace(plan, graphs=(*plan.graphs, replace(graph_plan, pass_seconds=tuple(seconds.items()))))

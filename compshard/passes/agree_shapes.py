@@ -1,4 +1,4 @@
-"""First and last pass of the forward/backward/inference pipelines: plan on shapes every rank shares.
+"""Forward/backward/inference pass, run twice (before and after lowering): plan on shapes every rank shares.
 
 Ranks may hold local batches of different sizes (the last batch of an epoch, a sampler
 that does not pad). Their graphs are then the same ops on different activation shapes,
@@ -17,9 +17,9 @@ A rank's own rows (parameter shards, local gradients) differ in shape between ra
 design; the lowering builds on them, so they keep their values until it is done, and
 ``agree_lowered_shapes`` then agrees on them too (with the nodes the lowering added),
 and on each node's estimated seconds: every node gets the largest of the ranks'
-(``meta["compshard_agreed_seconds"]``, which ``estimate_costs`` takes).
-After (``restore_shapes``, the last pass): the original fake tensors are back, so the
-executor and Inductor see this rank's shapes.
+(``NodeMeta.agreed_seconds``, which ``estimate_costs`` takes). Each stand-in keeps this
+rank's own value in ``NodeMeta.stashed_val``; the last pass (``restore_shapes``) puts
+them back, so the executor and Inductor see this rank's shapes.
 """
 
 from __future__ import annotations
@@ -30,14 +30,15 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from compshard.compile_plan import set_node_meta
 from compshard.cost_model import costs_for, node_seconds
-from compshard.ops import ReduceGradArgs, UnshardArgs, resolve_group
-from compshard.passes.check_schedule import exchange_across_ranks
+from compshard.sizes import size_hint
+from compshard.ops import resolve_group
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import collective_group, compshard_ops, is_op, is_view, size_hint
-
-_ORIGINAL_VAL = "compshard_original_val"
-AGREED_SECONDS = "compshard_agreed_seconds"
+from compshard.passes.fx_utils import (
+    collective_group, compshard_ops, first_arg, is_op, is_view, reduce_grad_args, restore_stashed_vals, unshard_args,
+)
+from compshard.rank_exchange import exchange_across_ranks
 
 
 def _shapes(val: Any) -> list[tuple[int, ...]] | None:
@@ -49,15 +50,17 @@ def _shapes(val: Any) -> list[tuple[int, ...]] | None:
 def _group(graph: fx.Graph) -> str:
     for node in graph.nodes:
         if is_op(node, compshard_ops.unshard.default):
-            return UnshardArgs(*node.args).group_name
+            return unshard_args(node).group_name
         if is_op(node, compshard_ops.reduce_grad.default):
-            return ReduceGradArgs(*node.args).group_name
+            return reduce_grad_args(node).group_name
     return ""
 
 
 def _agreed(everyone: list[list]) -> list | None:
     """Per node, the elementwise maximum shapes over ranks; None when the graphs differ."""
     mine = everyone[0]
+    if all(other == mine for other in everyone[1:]):  # the usual case: nothing to agree on
+        return mine
     if any(len(other) != len(mine) for other in everyone):
         return None
     agreed = []
@@ -94,20 +97,20 @@ def _local_shard_nodes(graph: fx.Graph) -> set[fx.Node]:
     local: set[fx.Node] = set()
     for node in graph.nodes:
         if is_op(node, compshard_ops.unshard.default):
-            shard = UnshardArgs(*node.args).shard
+            shard = unshard_args(node).shard
             while isinstance(shard, fx.Node) and shard not in local:
                 local.add(shard)
-                shard = shard.args[0] if is_view(shard) and shard.args else None
-        elif is_op(node, compshard_ops.reduce_grad.default) or (is_view(node) and node.args[0] in local):
+                shard = first_arg(shard) if is_view(shard) and shard.args else None
+        elif is_op(node, compshard_ops.reduce_grad.default) or (is_view(node) and first_arg(node) in local):
             local.add(node)
     return local
 
 
-def _agree(gm: fx.GraphModule, keep_local: bool) -> None:
-    group_name = _group(gm.graph) or collective_group(gm.graph) or ""
+def _agree(graph: fx.Graph, keep_local: bool) -> None:
+    group_name = _group(graph) or collective_group(graph) or ""
     if not (group_name and dist.is_initialized() and dist.get_world_size(resolve_group(group_name)) > 1):
         return
-    nodes = list(gm.graph.nodes)
+    nodes = list(graph.nodes)
     shapes = [_shapes(node.meta.get("val")) for node in nodes]
     # Seconds only once lowered: nothing before estimate_costs reads them, and it runs after.
     seconds = None if keep_local else [node_seconds(node, costs_for(group_name)) for node in nodes]
@@ -117,31 +120,25 @@ def _agree(gm: fx.GraphModule, keep_local: bool) -> None:
         return
     if seconds is not None:
         for node, *per_rank in zip(nodes, *(rank_seconds for _, rank_seconds in everyone)):
-            node.meta[AGREED_SECONDS] = max(per_rank)
-    local = _local_shard_nodes(gm.graph) if keep_local else set()
+            set_node_meta(node, agreed_seconds=max(per_rank))
+    local = _local_shard_nodes(graph) if keep_local else set()
     for node, own, target in zip(nodes, shapes, agreed):
         if own is not None and own != target and node not in local and all(hasattr(t, "fake_mode") for t in
                                                      torch.utils._pytree.tree_leaves(node.meta["val"])
                                                      if isinstance(t, torch.Tensor)):
-            node.meta[_ORIGINAL_VAL] = node.meta["val"]
+            set_node_meta(node, stashed_val=node.meta["val"])
             node.meta["val"] = _stand_in(node.meta["val"], target)
 
 
-def agree_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
+def agree_shapes(graph: fx.Graph, ctx: PassContext) -> None:
     """Before lowering: agree on every node but a rank's own rows (the lowering reads them)."""
-    _agree(gm, keep_local=True)
+    _agree(graph, keep_local=True)
 
 
-def agree_lowered_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
+def agree_lowered_shapes(graph: fx.Graph, ctx: PassContext) -> None:
     """After lowering, before the estimates that prefetch and the bounds decide from: agree
     on every node, a rank's own rows (shards, packed and local gradients) included. The
     first agreement's stand-ins are undone first, so the seconds are estimated on this
     rank's own tensors (an op rerun on stand-ins can disagree with its shape arguments)."""
-    restore_shapes(gm, ctx)
-    _agree(gm, keep_local=False)
-
-
-def restore_shapes(gm: fx.GraphModule, ctx: PassContext) -> None:
-    for node in gm.graph.nodes:
-        if _ORIGINAL_VAL in node.meta:
-            node.meta["val"] = node.meta.pop(_ORIGINAL_VAL)
+    restore_stashed_vals(graph)
+    _agree(graph, keep_local=False)

@@ -1,9 +1,9 @@
 """Joint-graph pass: group parameters into communication buckets.
 
 Before: one ``unshard`` per parameter, in order of first use in forward.
-After (graph unchanged): ``ctx.shared["buckets"]``, a list of :class:`Bucket` in order of
-first use, and ``ctx.shared["bucket_of"]``, parameter name -> bucket. Every later graph of
-this compile gathers and reduce-scatters each bucket with one collective.
+After (graph unchanged): returns the :class:`~compshard.compile_plan.BucketPlan`, the
+buckets in order of first use. Every later graph of this compile gathers and
+reduce-scatters each bucket with one collective.
 
 Grouping (``options.buckets``): ``"auto"`` makes one bucket per repeated block of the
 module tree, found from the names alone (``blocks.3`` when ``blocks`` has at least two
@@ -30,60 +30,33 @@ Only names, shapes, dtypes and options decide, so every rank builds the same pla
 from __future__ import annotations
 
 import fnmatch
-import re
 from dataclasses import dataclass
-from typing import Iterable
 
 from torch import fx
 
-from compshard.ops import Layout, UnshardArgs
+from compshard.compile_plan import Bucket, BucketPlan, MiB
+from compshard.ops import ShardLayout
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import MB, backward_nodes, compshard_ops, gathered_chain, is_op, node_order
-
-
-
-@dataclass(frozen=True)
-class Bucket:
-    index: int
-    name: str
-    params: tuple[str, ...]
-    nbytes: int  # gathered bytes of all its parameters (padded)
-    keep_gathered: bool = False
+from compshard.passes.fx_utils import (
+    backward_nodes, compshard_ops, gathered_chain, is_op, module_of, node_order, repeated_block, repeated_containers,
+    unshard_args,
+)
 
 
 @dataclass(frozen=True)
-class _Param:
+class BucketParam:
+    """What bucketing knows of one parameter: its name, gathered bytes (padded), its
+    collective key (group, world size, gather dtype, reduce dtype, replica group) and
+    whether ``shard(reshard_after_forward=False)`` keeps it gathered."""
+
     name: str
     nbytes: int
     key: tuple
     keep: bool
 
 
-def _unit(param: str) -> str:
-    return param.rpartition(".")[0]
-
-
-def repeated_block(module: str, containers: set[str]) -> str | None:
-    """The outermost repeated block (``blocks.3``) that module path ``module`` lies in."""
-    parts = module.split(".")
-    for i in range(1, len(parts)):
-        if parts[i].isdigit() and ".".join(parts[:i]) in containers:
-            return ".".join(parts[: i + 1])
-    return None
-
-
-def repeated_containers(modules: Iterable[str]) -> set[str]:
-    """Module paths with at least two numbered children among ``modules`` (``blocks``)."""
-    children: dict[str, set[str]] = {}
-    for module in modules:
-        for match in re.finditer(r"\.(\d+)(?=\.)", "." + module + "."):
-            prefix = ("." + module)[: match.start()].lstrip(".")
-            children.setdefault(prefix, set()).add(match.group(1))
-    return {prefix for prefix, numbers in children.items() if len(numbers) >= 2}
-
-
 def _pattern_module(param: str, patterns: list[str]) -> str | None:
-    parts = _unit(param).split(".") if _unit(param) else []
+    parts = module_of(param).split(".") if module_of(param) else []
     for i in range(1, len(parts) + 1):
         prefix = ".".join(parts[:i])
         if any(fnmatch.fnmatchcase(prefix, pattern) for pattern in patterns):
@@ -91,7 +64,7 @@ def _pattern_module(param: str, patterns: list[str]) -> str | None:
     return param if any(fnmatch.fnmatchcase(param, pattern) for pattern in patterns) else None
 
 
-def _named_groups(params: list[_Param], options) -> list[tuple[str | None, list[_Param]]]:
+def _named_groups(params: list[BucketParam], options) -> list[tuple[str | None, list[BucketParam]]]:
     """Consecutive groups (name, params); name None means 'split by size target'."""
     if options.buckets == "none":
         return [(p.name, [p]) for p in params]
@@ -100,16 +73,16 @@ def _named_groups(params: list[_Param], options) -> list[tuple[str | None, list[
     if isinstance(options.buckets, (list, tuple)):
         group_of = {p.name: _pattern_module(p.name, list(options.buckets)) for p in params}
     else:
-        containers = repeated_containers(_unit(p.name) for p in params)
-        group_of = {p.name: repeated_block(_unit(p.name), containers) for p in params}
-    groups: dict[str | None, list[_Param]] = {}
+        containers = repeated_containers(module_of(p.name) for p in params)
+        group_of = {p.name: repeated_block(module_of(p.name), containers) for p in params}
+    groups: dict[str | None, list[BucketParam]] = {}
     for param in params:  # dicts keep first-use order; every unnamed parameter is pooled
         groups.setdefault(group_of[param.name], []).append(param)
     return list(groups.items())
 
 
-def _split(params: list[_Param], limit: float) -> list[list[_Param]]:
-    runs: list[list[_Param]] = []
+def _split(params: list[BucketParam], limit: float) -> list[list[BucketParam]]:
+    runs: list[list[BucketParam]] = []
     for param in params:
         if runs and sum(p.nbytes for p in runs[-1]) + param.nbytes <= limit:
             runs[-1].append(param)
@@ -118,12 +91,12 @@ def _split(params: list[_Param], limit: float) -> list[list[_Param]]:
     return runs
 
 
-def plan_buckets(params: list[_Param], options, last_in_forward: str | None = None) -> list[Bucket]:
+def plan_buckets(params: list[BucketParam], options, last_in_forward: str | None = None) -> BucketPlan:
     """Buckets in first-use order; ``last_in_forward`` is the parameter used last in
     forward (its bucket is kept gathered when it spans more than one rank), ``None`` for
     inference graphs."""
-    limit = (options.buckets if isinstance(options.buckets, (int, float)) else options.bucket_mb) * MB
-    groups: list[tuple[str, list[_Param]]] = []
+    limit = (options.buckets if isinstance(options.buckets, (int, float)) else options.bucket_mb) * MiB
+    groups: list[tuple[str, list[BucketParam]]] = []
     rest = 0
     for name, members in _named_groups(params, options):
         if name is None:
@@ -132,7 +105,7 @@ def plan_buckets(params: list[_Param], options, last_in_forward: str | None = No
                 rest += 1
         else:
             groups.append((name, members))
-    planned: list[tuple[str, list[_Param]]] = []
+    planned: list[tuple[str, list[BucketParam]]] = []
     for name, members in groups:
         keys = list(dict.fromkeys(p.key for p in members))
         for k, key in enumerate(keys):
@@ -141,46 +114,24 @@ def plan_buckets(params: list[_Param], options, last_in_forward: str | None = No
     kept = _kept_by_budget(planned, options.memory_budget_mb)
     kept |= {name for name, members in planned  # one rank gathers nothing: nothing to keep
              if any(p.name == last_in_forward and p.key[1] > 1 for p in members)}
-    return [
+    return BucketPlan(tuple(
         Bucket(i, name, tuple(p.name for p in members), sum(p.nbytes for p in members),
                keep_gathered=name in kept or all(p.keep for p in members))
         for i, (name, members) in enumerate(planned)
-    ]
+    ))
 
 
-def _kept_by_budget(planned: list[tuple[str, list[_Param]]], budget_mb: float | None) -> set[str]:
+def _kept_by_budget(planned: list[tuple[str, list[BucketParam]]], budget_mb: float | None) -> set[str]:
     if budget_mb is None:
         return set()
     kept, used = set(), 0
     for name, members in sorted(planned, key=lambda group: (sum(p.nbytes for p in group[1]), group[0])):
         size = sum(p.nbytes for p in members)
-        if used + size > budget_mb * MB:
+        if used + size > budget_mb * MiB:
             break
         kept.add(name)
         used += size
     return kept
-
-
-def members_by_bucket(nodes: list[fx.Node], ctx: PassContext) -> list[tuple[Bucket, list[fx.Node]]]:
-    """(bucket, marker nodes) in order of each bucket's first marker in the graph; the
-    parameter name is argument 4 of both ``unshard`` and ``reduce_grad``."""
-    groups: dict[int, tuple[Bucket, list[fx.Node]]] = {}
-    for node in nodes:
-        bucket = ctx.shared["bucket_of"][node.args[4]]
-        groups.setdefault(bucket.index, (bucket, []))[1].append(node)
-    return list(groups.values())
-
-
-def collective_members(nodes: list[fx.Node], ctx: PassContext, kind: str) -> list[list[tuple[Bucket, list[fx.Node]]]]:
-    """The buckets of ``nodes`` grouped by the collective of ``kind`` ("all_gather" or
-    "reduce_scatter") they share: the plan ``ctx.notes["coalesced"][kind]`` (lists of
-    bucket names, see ``coalesce_collectives``), each bucket alone where it has none."""
-    plan = ctx.notes.get("coalesced", {}).get(kind, [])
-    collective_of = {name: i for i, names in enumerate(plan) for name in names}
-    groups: dict[object, list[tuple[Bucket, list[fx.Node]]]] = {}
-    for bucket, members in members_by_bucket(nodes, ctx):
-        groups.setdefault(collective_of.get(bucket.name, bucket.name), []).append((bucket, members))
-    return list(groups.values())
 
 
 def _last_used_in_forward(graph: fx.Graph) -> str | None:
@@ -198,21 +149,19 @@ def _last_used_in_forward(graph: fx.Graph) -> str | None:
             for member in gathered_chain(node):
                 for user in member.users:
                     if latest < order[user] < boundary:
-                        last, latest = node.args[4], order[user]
+                        last, latest = unshard_args(node).param, order[user]
     return last
 
 
-def assign_buckets(gm: fx.GraphModule, ctx: PassContext) -> None:
+def assign_buckets(graph: fx.Graph, ctx: PassContext) -> BucketPlan:
     params = []
-    for node in gm.graph.nodes:
+    for node in graph.nodes:
         if not is_op(node, compshard_ops.unshard.default):
             continue
-        args = UnshardArgs(*node.args)
+        args = unshard_args(node)
         dtype = node.meta["val"].dtype
-        layout = Layout(tuple(args.full_shape), args.world_size, rank=0)
+        layout = ShardLayout(tuple(args.full_shape), args.world_size, rank=0)
         nbytes = args.world_size * layout.padded_shard_numel * dtype.itemsize
         key = (args.group_name, args.world_size, dtype, args.reduce_dtype, args.replicate_group)
-        params.append(_Param(args.param, nbytes, key, keep=not args.reshard_after_forward))
-    buckets = plan_buckets(params, ctx.options, _last_used_in_forward(gm.graph))
-    ctx.shared["buckets"] = buckets
-    ctx.shared["bucket_of"] = {param: bucket for bucket in buckets for param in bucket.params}
+        params.append(BucketParam(args.param, nbytes, key, keep=not args.reshard_after_forward))
+    return plan_buckets(params, ctx.options, _last_used_in_forward(graph))

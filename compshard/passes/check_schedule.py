@@ -1,4 +1,6 @@
-"""Final pass: check the schedule's invariants and that every rank built the same one.
+"""Forward/backward/inference pass: check the schedule's invariants and that every rank built the same one.
+
+Takes the bucket plan and ``saved_count`` (the partition's); returns the fingerprint.
 
 Invariants (a violation is a compshard bug and raises ``ScheduleError``):
   - every collective start has exactly one wait, after it; every wait follows a start;
@@ -13,42 +15,39 @@ Fingerprint: the graph's kind, its number of non-view compute nodes and the sequ
 scheduled nodes (kind, parameters, bytes, and position counted in original non-view
 compute nodes) with rank-independent facts only: local shard shapes differ between ranks
 (a rank may hold no rows), and with them the views around the shards, so views do not
-count. With ``check_schedule`` (default) the sequences are all-gathered across the ranks at compile
-time (through the c10d store); a difference raises ``ScheduleError`` naming the first
-differing node on every rank, instead of a hang at run time.
+count. With ``check_schedule`` (default) the sequences are exchanged across the ranks at
+compile time (``rank_exchange``: through the c10d store); a difference raises
+``ScheduleError`` naming the first differing node on every rank, instead of a hang at
+run time.
 """
 
 from __future__ import annotations
 
-import datetime
 import hashlib
-import pickle
 
 import torch.distributed as dist
 from torch import fx
 
+from compshard.compile_plan import COLLECTIVE_KINDS, BucketPlan, MiB, ScheduleError, node_meta
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    COLLECTIVE_KINDS, MB, META_KEY, aliases, c10d, collective_group, is_op, is_view, node_order, schedule_kind,
+    aliases, c10d, collective_group, first_arg, gathered_buffers, is_op, is_view, node_order, output_values,
+    scheduled_kind,
 )
-from compshard.passes.insert_free import gathered_buffers
+from compshard.rank_exchange import exchange_across_ranks
 
 _STARTS = COLLECTIVE_KINDS
-
-
-class ScheduleError(RuntimeError):
-    """A compiled schedule is invalid or differs between ranks."""
 
 
 def schedule_entries(graph: fx.Graph) -> list[tuple]:
     """Rank-independent description of the scheduled nodes, in graph order."""
     entries, compute_nodes = [], 0
     for node in graph.nodes:
-        meta = node.meta.get(META_KEY)
-        if meta is None:
+        meta = node_meta(node)
+        if meta.kind is None:
             compute_nodes += node.op == "call_function" and not is_view(node)
-        elif meta["kind"] in _STARTS + ("wait", "free"):
-            entries.append((meta["kind"], tuple(meta["params"]), meta["bytes"], compute_nodes))
+        elif meta.kind in _STARTS + ("wait", "free"):
+            entries.append((meta.kind, tuple(meta.params), meta.bytes, compute_nodes))
     return entries
 
 
@@ -56,86 +55,55 @@ def fingerprint(entries: list[tuple]) -> str:
     return hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
 
 
-def _check_invariants(graph: fx.Graph, ctx: PassContext) -> None:
+def _check_invariants(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan | None, saved_count: int | None) -> None:
     order = node_order(graph)
     for node in graph.nodes:
-        if schedule_kind(node) in _STARTS:
+        if scheduled_kind(node) in _STARTS:
             waits = [u for u in node.users if is_op(u, c10d.wait_tensor.default)]
             if len(waits) != 1 or len(node.users) != 1:
                 raise ScheduleError(f"{ctx.graph} graph: collective {node.name} must have exactly one user, its wait")
-        if is_op(node, c10d.wait_tensor.default) and schedule_kind(node.args[0]) not in _STARTS:
+        if is_op(node, c10d.wait_tensor.default) and scheduled_kind(first_arg(node)) not in _STARTS:
             raise ScheduleError(f"{ctx.graph} graph: wait {node.name} does not follow a collective start")
-    kept = {bucket.name: bucket.keep_gathered for bucket in ctx.shared.get("buckets", [])}
-    saved = saved_for_backward(graph, ctx)
+    kept = {bucket.name: bucket.keep_gathered for bucket in buckets or ()}
+    saved = _saved_for_backward(graph, ctx, saved_count)
     for buffer in gathered_buffers(graph):
         group = aliases(buffer)
         for alias in group:
             for user in alias.users:
                 if user.op != "output" and order[user] < order[buffer]:
                     raise ScheduleError(f"{ctx.graph} graph: {user.name} uses {buffer.name} before its wait")
-                if schedule_kind(user) == "free":
+                if scheduled_kind(user) == "free":
                     late = [u.name for a in group for u in a.users if u not in group and order[u] > order[user]]
                     if late:
                         raise ScheduleError(f"{ctx.graph} graph: {late} use {buffer.name} after its free")
-        meta = buffer.meta[META_KEY]
-        if any(alias in saved for alias in group) and not all(kept[name] for name in meta["buckets"]):
-            raise ScheduleError(f"forward graph saves gathered parameter(s) {meta['params']} for backward "
-                                f"although their bucket {meta['bucket']} is resharded after forward")
+        meta = node_meta(buffer)
+        if any(alias in saved for alias in group) and not all(kept[name] for name in meta.buckets):
+            raise ScheduleError(f"forward graph saves gathered parameter(s) {list(meta.params)} for backward "
+                                f"although their bucket {meta.bucket} is resharded after forward")
 
 
-def saved_for_backward(graph: fx.Graph, ctx: PassContext) -> set[fx.Node]:
+def _saved_for_backward(graph: fx.Graph, ctx: PassContext, saved_count: int | None) -> set[fx.Node]:
     """The forward graph's outputs that the backward takes: AOTAutograd puts them after
     the user's outputs, and the backward has one input other than a tangent for each
-    (``ctx.shared["saved_count"]``, recorded at the partition). Empty for other graphs."""
-    count = ctx.shared.get("saved_count", 0) if ctx.graph == "forward" else 0
-    outputs = graph.output_node().args[0]
+    (``saved_count``, counted at the partition). Empty for other graphs."""
+    count = (saved_count or 0) if ctx.graph == "forward" else 0
+    outputs = output_values(graph)
     return {value for value in outputs[len(outputs) - count:] if isinstance(value, fx.Node)} if count else set()
 
 
 def _check_inflight(graph: fx.Graph, ctx: PassContext) -> None:
-    bound = ctx.options.max_inflight_mb * MB
+    bound = ctx.options.max_inflight_mb * MiB
     inflight: dict[str, dict[fx.Node, int]] = {kind: {} for kind in _STARTS}
     for node in graph.nodes:
-        kind = schedule_kind(node)
+        kind = scheduled_kind(node)
         if kind in _STARTS:
-            inflight[kind][node] = node.meta[META_KEY]["bytes"]
+            inflight[kind][node] = node_meta(node).bytes
             if len(inflight[kind]) > 1 and sum(inflight[kind].values()) > bound:
                 raise ScheduleError(f"{ctx.graph} graph: {sum(inflight[kind].values())} bytes of {kind} in flight at "
                                     f"{node.name}, over max_inflight_mb={ctx.options.max_inflight_mb}")
         elif kind == "wait":
             for started in inflight.values():
-                started.pop(node.args[0], None)
-
-
-STORE_TIMEOUT = datetime.timedelta(seconds=300)
-_exchanges: dict[str, int] = {}  # per namespace and process group: exchanges so far (the same on every rank)
-
-
-def exchange_across_ranks(namespace: str, group_name: str, value: object, what: str) -> tuple[int, list]:
-    """Every rank's ``value`` (by group rank), and this exchange's number in ``namespace``.
-
-    Goes through the process group's c10d store, not a collective: compiling runs under
-    dispatch modes and locks with which a gloo collective can deadlock, while store reads
-    and writes cannot. A rank that never publishes is a ``ScheduleError`` after
-    ``STORE_TIMEOUT`` naming ``what`` this rank compiled, not a hang."""
-    from compshard.ops import resolve_group
-
-    group = resolve_group(group_name)
-    rank, world_size = dist.get_rank(group), dist.get_world_size(group)
-    key = f"{namespace}/{group_name}"
-    sequence = _exchanges[key] = _exchanges.get(key, 0) + 1
-    store = dist.PrefixStore(f"{key}/{sequence}/", dist.distributed_c10d._get_default_store())
-    store.set(str(rank), pickle.dumps(value))
-    keys = [str(r) for r in range(world_size)]
-    try:
-        store.wait(keys, STORE_TIMEOUT)
-    except Exception as error:  # noqa: BLE001 - re-raised with what it means here
-        raise ScheduleError(
-            f"compshard: rank {rank} compiled {what} (#{sequence} on this process group) that some rank did not "
-            f"compile within {STORE_TIMEOUT}: every rank must compile the same graphs (when only some ranks' "
-            "input shapes change, compile with dynamic=True)"
-        ) from error
-    return sequence, [pickle.loads(store.get(key)) for key in keys]
+                started.pop(first_arg(node), None)
 
 
 def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContext) -> None:
@@ -159,14 +127,14 @@ def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContex
         )
 
 
-def check_schedule(gm: fx.GraphModule, ctx: PassContext) -> None:
-    _check_invariants(gm.graph, ctx)
-    _check_inflight(gm.graph, ctx)
-    entries = schedule_entries(gm.graph)
+def check_schedule(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan | None, saved_count: int | None) -> str:
+    _check_invariants(graph, ctx, buckets, saved_count)
+    _check_inflight(graph, ctx)
+    entries = schedule_entries(graph)
     # The graph's kind and size too: with nothing to gather (one rank) the entries alone
     # are empty, and a forward and a backward would share one fingerprint.
-    compute_nodes = sum(1 for n in gm.graph.nodes if n.op == "call_function" and not is_view(n))
-    ctx.notes["fingerprint"] = fingerprint([ctx.graph, compute_nodes, *entries])
-    group_name = collective_group(gm.graph)
+    compute_nodes = sum(1 for n in graph.nodes if n.op == "call_function" and not is_view(n))
+    group_name = collective_group(graph)
     if ctx.options.check_schedule and group_name and dist.is_initialized():
         _compare_across_ranks(entries, group_name, ctx)
+    return fingerprint([ctx.graph, compute_nodes, *entries])

@@ -1,9 +1,10 @@
 """Forward/backward/inference pass: let neighbouring buckets share one collective.
 
 Before: ``unshard`` / ``reduce_grad`` markers and the bucket plan (one collective per
-bucket). After (graph unchanged): ``ctx.notes["coalesced"]``, for ``"all_gather"`` and
-(backward) ``"reduce_scatter"``, the buckets of this graph as lists of names, one list per
-collective, which the lowering passes follow.
+bucket). After (graph unchanged): returns the :class:`~compshard.compile_plan.Coalescing`,
+for ``"all_gather"`` and (backward) ``"reduce_scatter"``, the buckets of this graph as
+tuples of names, one per collective, which the lowering passes take (None: nothing to
+coalesce, one collective per bucket).
 
 Why: every collective has a fixed cost, its latency and the rendezvous of all ranks (on
 a shared CPU, where communication cannot hide behind compute, this dominates: one
@@ -15,17 +16,18 @@ Rule (``options.coalesce == "auto"``), greedy in the order the collectives are n
 (all-gathers by first use, reduce-scatters by when their last gradient exists): the next
 bucket joins the current collective when both have the same collective key (process
 group, dtypes), the joined bytes fit ``bucket_mb`` and ``max_inflight_mb``, and the
-graph's estimated peak (``estimate_memory.live_bytes`` of the graph lowered with the
-candidate plan, every all-gather starting at its wait as ``prefetch`` leaves them before
-it moves them) is no higher than with one collective per bucket. In backward the
-all-gathers are decided first, then the reduce-scatters with them.
+graph's estimated peak (``memory_model.live_bytes`` of the graph lowered with the
+candidate plan by the lowering passes, every all-gather starting at its wait as
+``prefetch`` leaves them before it moves them) is no higher than with one collective per
+bucket. In backward the all-gathers are decided first, then the reduce-scatters with them.
 
 Cost: the graph is lowered once (one collective per bucket) and every candidate is
-priced from that copy's live-bytes profile (``_PeakModel``: a sum over the positions,
+priced from that copy's live-bytes profile (``PeakModel``: a sum over the positions,
 no graph work), so the pass is linear in the graph's size times the number of buckets
 in cheap list arithmetic; lowering a copy per candidate (what the model reproduces, and
-what it falls back to where it does not apply) was quadratic. Sizes are read at their
-hints (``fx_utils.size_hint``), so dynamic shapes install no guard here.
+what it falls back to where it does not apply: ``lowered_peak``) was quadratic. Sizes
+are read at their hints (``cost_model.size_hint``), so dynamic shapes install no guard
+here.
 
 Trade-off: a joined all-gather brings the later bucket's parameters in with the earlier
 one (held sooner, and not overlapped with the earlier bucket's compute); a joined
@@ -43,17 +45,24 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import fx
 
-from compshard.ops import ReduceGradArgs, UnshardArgs, group_size
-from compshard.passes.assign_buckets import Bucket, members_by_bucket
-from compshard.passes.check_schedule import exchange_across_ranks
+from compshard.compile_plan import Bucket, BucketPlan, Coalescing, MiB, node_meta
+from compshard.sizes import nbytes
+from compshard.ops import group_size
 from compshard.passes.context import PassContext
-from compshard.passes.estimate_memory import backend_scratch_bytes, live_bytes, storages
 from compshard.passes.fx_utils import (
-    MB, META_KEY, compshard_ops, is_op, is_view, nbytes, node_order, producer, reuse_emitted_values, schedule_kind,
+    FakeValues, compshard_ops, is_op, is_view, members_by_bucket, node_order, producer, reduce_grad_args,
+    scheduled_kind, start_gathers_at_waits, unshard_args,
 )
-from compshard.passes.lower_reduce_grad import lower_reduce_grads, reduced_in_bucket
-from compshard.passes.lower_unshard import gathered_remotely, lower_gathers
-from compshard.passes.prefetch import start_gathers_at_waits
+from compshard.passes.lower_reduce_grad import lower_reduce_grad, reduced_in_bucket
+from compshard.passes.lower_unshard import gathered_remotely, lower_unshard
+from compshard.passes.memory_model import backend_scratch_bytes, live_bytes, storages
+from compshard.rank_exchange import exchange_across_ranks
+
+Plan = dict[str, list[list[str]]]  # collective kind -> bucket names per collective (a candidate Coalescing)
+
+
+def _coalescing(plan: Plan) -> Coalescing:
+    return Coalescing(**{kind: tuple(tuple(names) for names in groups) for kind, groups in plan.items()})
 
 
 def _copy(graph: fx.Graph) -> fx.Graph:
@@ -62,15 +71,22 @@ def _copy(graph: fx.Graph) -> fx.Graph:
     return copied
 
 
-def _estimated_peak(graph: fx.Graph, ctx: PassContext, plan: dict[str, list[list[str]]]) -> int:
-    """The peak bytes of ``graph`` lowered with ``plan``, every all-gather started at its wait."""
+def _lowered_copy(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, plan: Plan) -> fx.Graph:
+    """A copy of ``graph`` lowered with ``plan`` by the lowering passes, every all-gather
+    started at its wait. Only measured: the same op on the same shapes is traced once."""
     trial = _copy(graph)
-    trial_ctx = PassContext(ctx.options, ctx.graph, shared=ctx.shared, notes={"coalesced": plan})
-    with reuse_emitted_values():  # the trial is only measured: the same op on the same shapes is traced once
-        lower_gathers(trial, trial_ctx)
-        if ctx.graph == "backward":
-            lower_reduce_grads(trial, trial_ctx)
+    fake_values = FakeValues()
+    lower_unshard(trial, ctx, buckets, _coalescing(plan), fake_values=fake_values)
+    if ctx.graph == "backward":
+        lower_reduce_grad(trial, ctx, buckets, _coalescing(plan), fake_values=fake_values)
     start_gathers_at_waits(trial)
+    return trial
+
+
+def lowered_peak(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, plan: Plan) -> int:
+    """The peak bytes of ``graph`` lowered with ``plan``, every all-gather started at its
+    wait: what :class:`PeakModel` reproduces without lowering a copy per plan."""
+    trial = _lowered_copy(graph, ctx, buckets, plan)
     return max(live_bytes(trial, count_inputs=ctx.graph == "backward")[0].values(), default=0)
 
 
@@ -96,7 +112,7 @@ class _Lowered:
     back: list[int] = field(default_factory=list)
 
 
-class _PeakModel:
+class PeakModel:
     """The estimated peak of the graph lowered with any coalescing plan, from ONE copy
     lowered with one collective per bucket (every all-gather started at its wait).
 
@@ -111,7 +127,8 @@ class _PeakModel:
     (``base``) plus the plan's intervals: one array sum per trial instead of lowering
     a copy of the graph per trial. ``build`` returns None where the graph has a shape
     this model does not describe (all-reduces across replicas, a reduce-scatter waited
-    before compute that follows it); the caller then lowers copies as before."""
+    before compute that follows it); the caller then prices each plan with
+    ``lowered_peak``."""
 
     def __init__(self, size: int, lowered: dict[tuple[str, str], _Lowered],
                  read: list[tuple[int, int, int, list[tuple[str, str]]]]) -> None:
@@ -121,33 +138,26 @@ class _PeakModel:
         self.base = [0] * size
 
     @classmethod
-    def build(cls, graph: fx.Graph, ctx: PassContext, plan: dict[str, list[list[str]]]) -> "_PeakModel | None":
-        trial = _copy(graph)
-        trial_ctx = PassContext(ctx.options, ctx.graph, shared=ctx.shared, notes={"coalesced": plan})
-        with reuse_emitted_values():
-            lower_gathers(trial, trial_ctx)
-            if ctx.graph == "backward":
-                lower_reduce_grads(trial, trial_ctx)
-        start_gathers_at_waits(trial)
+    def build(cls, graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, plan: Plan) -> "PeakModel | None":
+        trial = _lowered_copy(graph, ctx, buckets, plan)
         events = storages(trial, count_inputs=ctx.graph == "backward")
         order, nodes = events.order, events.nodes
         parts: dict[str, dict] = {}
         for node in nodes:
-            meta = node.meta.get(META_KEY)
-            if meta and meta["collective"]:
-                parts.setdefault(meta["collective"], {"nodes": []})["nodes"].append(node)
-                kind = meta["kind"]
-                if kind == "all_reduce":
+            meta = node_meta(node)
+            if meta.collective:
+                parts.setdefault(meta.collective, {"nodes": []})["nodes"].append(node)
+                if meta.kind == "all_reduce":
                     return None
-                if kind in ("all_gather", "reduce_scatter"):
-                    parts[meta["collective"]].update(start=node, kind=kind, buckets=meta["buckets"])
-                elif kind == "wait":
-                    parts[meta["collective"]]["wait"] = node
+                if meta.kind in ("all_gather", "reduce_scatter"):
+                    parts[meta.collective].update(start=node, kind=meta.kind, buckets=meta.buckets)
+                elif meta.kind == "wait":
+                    parts[meta.collective]["wait"] = node
                 elif is_op(node, *_PACKS):
-                    parts[meta["collective"]]["pack"] = node
+                    parts[meta.collective]["pack"] = node
                 elif is_op(node, *_UNPACKS):
-                    parts[meta["collective"]]["unpack"] = node
-        last_compute = max((order[n] for n in nodes if n.op == "call_function" and schedule_kind(n) is None
+                    parts[meta.collective]["unpack"] = node
+        last_compute = max((order[n] for n in nodes if n.op == "call_function" and scheduled_kind(n) is None
                             and not is_view(n)), default=-1)
         lowered: dict[tuple[str, str], _Lowered] = {}
         for part in parts.values():
@@ -202,7 +212,7 @@ class _PeakModel:
         model.base = [during[node] - held for node, held in zip(nodes, separate)]
         return model
 
-    def _intervals(self, plan: dict[str, list[list[str]]]) -> tuple[list[int], list[bool]]:
+    def _intervals(self, plan: Plan) -> tuple[list[int], list[bool]]:
         """Bytes the plan's collectives (and the storages their packs read) hold at each
         index, and which indices exist in the plan's lowering."""
         diff = [0] * (self.size + 1)
@@ -238,7 +248,7 @@ class _PeakModel:
             hold(allocated, max(other, *(pack_at[b] for b in buckets)), nbytes_)
         return list(itertools.accumulate(diff[:-1])), exists
 
-    def peak(self, plan: dict[str, list[list[str]]]) -> int:
+    def peak(self, plan: Plan) -> int:
         held, exists = self._intervals(plan)
         return max(itertools.compress(map(operator.add, self.base, held), exists), default=0)
 
@@ -247,45 +257,44 @@ def _key(marker: fx.Node) -> tuple:
     """What buckets sharing a collective must agree on: group, world size and dtypes
     (and, for gradients, the replica group and the shard dtype they are unpacked to)."""
     if is_op(marker, compshard_ops.unshard.default):
-        args = UnshardArgs(*marker.args)
+        args = unshard_args(marker)
         return args.group_name, args.world_size, marker.meta["val"].dtype
-    args = ReduceGradArgs(*marker.args)
+    args = reduce_grad_args(marker)
     return args.group_name, args.world_size, args.reduce_dtype, args.replicate_group, marker.meta["val"].dtype
 
 
-def _buckets_in_need_order(graph: fx.Graph, ctx: PassContext, kind: str) -> list[tuple[Bucket, list[fx.Node]]]:
+def _buckets_in_need_order(graph: fx.Graph, buckets: BucketPlan, kind: str) -> list[tuple[Bucket, list[fx.Node]]]:
     """The buckets with a collective of ``kind`` here: all-gathers by their first use,
     reduce-scatters by their last gradient."""
     order = node_order(graph)
     if kind == "all_gather":
         markers = [n for n in graph.nodes if is_op(n, compshard_ops.unshard.default) and gathered_remotely(n)]
-        return sorted(members_by_bucket(markers, ctx),
+        return sorted(members_by_bucket(markers, buckets),
                       key=lambda pair: min(order[user] for member in pair[1] for user in member.users))
     markers = [n for n in graph.nodes if is_op(n, compshard_ops.reduce_grad.default) and reduced_in_bucket(n)]
-    return sorted(members_by_bucket(markers, ctx), key=lambda pair: max(order[member] for member in pair[1]))
+    return sorted(members_by_bucket(markers, buckets), key=lambda pair: max(order[member] for member in pair[1]))
 
 
 def _names(collectives: list[list[tuple[Bucket, list[fx.Node]]]]) -> list[list[str]]:
     return [[bucket.name for bucket, _ in collective] for collective in collectives]
 
 
-def coalesce_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
+def coalesce_collectives(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> Coalescing | None:
     if ctx.options.coalesce == "none":
-        return
-    graph = gm.graph
+        return None
     kinds = ("all_gather", "reduce_scatter") if ctx.graph == "backward" else ("all_gather",)
-    buckets = {kind: _buckets_in_need_order(graph, ctx, kind) for kind in kinds}
-    plan = {kind: _names([[pair] for pair in pairs]) for kind, pairs in buckets.items()}
-    if all(len(pairs) < 2 for pairs in buckets.values()):
-        return
-    model = _PeakModel.build(graph, ctx, plan)
+    needed = {kind: _buckets_in_need_order(graph, buckets, kind) for kind in kinds}
+    plan = {kind: _names([[pair] for pair in pairs]) for kind, pairs in needed.items()}
+    if all(len(pairs) < 2 for pairs in needed.values()):
+        return None
+    model = PeakModel.build(graph, ctx, buckets, plan)
 
-    def estimated_peak(candidate: dict[str, list[list[str]]]) -> int:
-        return model.peak(candidate) if model is not None else _estimated_peak(graph, ctx, candidate)
+    def estimated_peak(candidate: Plan) -> int:
+        return model.peak(candidate) if model is not None else lowered_peak(graph, ctx, buckets, candidate)
 
     bound = estimated_peak(plan)
-    cap = min(ctx.options.bucket_mb, ctx.options.max_inflight_mb) * MB
-    for kind, pairs in buckets.items():  # all-gathers first: the reduce-scatters are tried with them
+    cap = min(ctx.options.bucket_mb, ctx.options.max_inflight_mb) * MiB
+    for kind, pairs in needed.items():  # all-gathers first: the reduce-scatters are tried with them
         collectives: list[list[tuple[Bucket, list[fx.Node]]]] = []
         for k, pair in enumerate(pairs):
             if collectives and _key(collectives[-1][0][1][0]) == _key(pair[1][0]) \
@@ -297,11 +306,11 @@ def coalesce_collectives(gm: fx.GraphModule, ctx: PassContext) -> None:
                     continue
             collectives.append([pair])
         plan[kind] = _names(collectives)
-    first_marker = next(markers[0] for pairs in buckets.values() for _, markers in pairs)
-    ctx.notes["coalesced"] = _first_ranks_plan(plan, _key(first_marker)[0])
+    first_marker = next(markers[0] for pairs in needed.values() for _, markers in pairs)
+    return _coalescing(_first_ranks_plan(plan, _key(first_marker)[0]))
 
 
-def _first_ranks_plan(plan: dict[str, list[list[str]]], group_name: str) -> dict[str, list[list[str]]]:
+def _first_ranks_plan(plan: Plan, group_name: str) -> Plan:
     """Every rank takes the first rank's plan: the peak estimates it was chosen by read a
     rank's own rows (shards and local gradients differ in size between ranks), so two
     ranks could otherwise join different buckets and issue different collectives."""

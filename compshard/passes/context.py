@@ -1,21 +1,15 @@
-"""What every pass receives besides the graph: options, which graph it is, and the rank."""
+"""What every pass receives besides the graph and the plans it takes: the options and
+which graph it is."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Literal
+from dataclasses import dataclass
 
+from compshard.compile_plan import GraphKind
 from compshard.options import CompileOptions
 
-GraphKind = Literal["dynamo", "joint", "forward", "backward", "inference"]
 
-
-@dataclass
+@dataclass(frozen=True)
 class PassContext:
     options: CompileOptions
     graph: GraphKind
-    # One compile's decisions shared by its joint, forward and backward graphs (the bucket
-    # plan): the backend hands the same dict to each of them.
-    shared: dict = field(default_factory=dict)
-    # Filled by the passes on this graph, read by later passes, the report and the check.
-    notes: dict = field(default_factory=dict)

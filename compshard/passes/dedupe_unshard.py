@@ -19,19 +19,22 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import compshard_ops, is_op
+from compshard.passes.fx_utils import compshard_ops, is_op, unshard_args
 
 
-def dedupe_unshard(gm: fx.GraphModule, ctx: PassContext) -> None:
+def dedupe_unshard(graph: fx.Graph, ctx: PassContext) -> None:
     first: dict[tuple, fx.Node] = {}
-    for node in list(gm.graph.nodes):
+    for node in list(graph.nodes):
         if not is_op(node, compshard_ops.unshard, compshard_ops.unshard.default):  # Dynamo records the packet
             continue
-        # Not the gradient-sync arguments: only a parameter's first read in a forward folds
-        # its accumulated gradient in (see compshard.grad_sync); the merged reads share it.
-        key = tuple(tuple(a) if isinstance(a, list) else a for a in node.args[1:-2])
+        # Not the shard nor the gradient-sync arguments: only a parameter's first read in a
+        # forward folds its accumulated gradient in (see compshard.grad_sync); the merged
+        # reads share it.
+        args = unshard_args(node)
+        key = (tuple(args.full_shape), args.world_size, args.group_name, args.param, args.param_dtype,
+               args.reduce_dtype, args.reshard_after_forward, args.replicate_group)
         if key in first:
             node.replace_all_uses_with(first[key])
-            gm.graph.erase_node(node)
+            graph.erase_node(node)
         else:
             first[key] = node

@@ -20,12 +20,12 @@ import torch
 from torch import fx
 
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aliases, aten, is_op, is_view
+from compshard.passes.fx_utils import aliases, aten, first_arg, is_op, is_view
 
 
 def _root(node: fx.Node) -> fx.Node:
     while is_view(node):
-        node = node.args[0]
+        node = first_arg(node)
     return node
 
 
@@ -38,23 +38,23 @@ def _mutated(nodes: list[fx.Node]) -> bool:
     return False
 
 
-def _same_layout(clone: fx.Node) -> bool:
+def _same_strides(clone: fx.Node) -> bool:
     """The copy has the source's strides and offset, so every later view reads the same."""
-    copy, source = clone.meta.get("val"), clone.args[0].meta.get("val")
+    copy, source = clone.meta.get("val"), first_arg(clone).meta.get("val")
     if not (isinstance(copy, torch.Tensor) and isinstance(source, torch.Tensor)):
         return False
     return copy.stride() == source.stride() and copy.storage_offset() == source.storage_offset()
 
 
-def drop_redundant_clones(gm: fx.GraphModule, ctx: PassContext) -> None:
-    for clone in list(gm.graph.nodes):
-        if not is_op(clone, aten.clone.default) or not _same_layout(clone):
+def drop_redundant_clones(graph: fx.Graph, ctx: PassContext) -> None:
+    for clone in list(graph.nodes):
+        if not is_op(clone, aten.clone.default) or not _same_strides(clone):
             continue
-        source = clone.args[0]
+        source = first_arg(clone)
         copy_aliases = aliases(clone)
         if _root(source).op == "placeholder" or any(user.op == "output" for n in copy_aliases for user in n.users):
             continue
         if _mutated(copy_aliases + aliases(_root(source))):
             continue
         clone.replace_all_uses_with(source)
-        gm.graph.erase_node(clone)
+        graph.erase_node(clone)

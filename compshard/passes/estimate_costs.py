@@ -1,34 +1,32 @@
 """Analysis pass: estimated seconds of every node, from the cost model.
 
-Writes ``meta["compshard_seconds"]`` (compute nodes: FLOPs and bytes; collective starts:
-``alpha + bytes * beta``) and ``ctx.notes["costs"]``. The constants were calibrated
-when the parameters were sharded and agreed across ranks (see ``cost_model``), so the
-decisions made from these estimates are the same on every rank.
+Writes ``NodeMeta.seconds`` (compute nodes: FLOPs and bytes; collective starts:
+``alpha + bytes * beta``). The constants were calibrated when the parameters were
+sharded and agreed across ranks (see ``cost_model``), so the decisions made from these
+estimates are the same on every rank.
 """
 
 from __future__ import annotations
 
 from torch import fx
 
+from compshard.compile_plan import COLLECTIVE_KINDS, node_meta, set_node_meta
 from compshard.cost_model import Costs, collective_seconds, costs_for, node_seconds
-from compshard.passes.agree_shapes import AGREED_SECONDS
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import COLLECTIVE_KINDS, META_KEY, collective_group
-
-SECONDS = "compshard_seconds"
+from compshard.passes.fx_utils import collective_group
 
 
-def estimate_costs(gm: fx.GraphModule, ctx: PassContext) -> None:
-    group_name = collective_group(gm.graph)
+def estimate_costs(graph: fx.Graph, ctx: PassContext) -> None:
+    group_name = collective_group(graph)
     costs = costs_for(group_name) if group_name else Costs()
-    ctx.notes["costs"] = costs
-    for node in gm.graph.nodes:
-        meta = node.meta.get(META_KEY)
-        if meta and meta["kind"] in COLLECTIVE_KINDS:
-            node.meta[SECONDS] = collective_seconds(meta["bytes"], costs)
-        elif meta and meta["kind"] == "wait":
-            node.meta[SECONDS] = 0.0
-        elif AGREED_SECONDS in node.meta:  # the ranks' largest estimate (see agree_shapes)
-            node.meta[SECONDS] = node.meta[AGREED_SECONDS]
+    for node in graph.nodes:
+        meta = node_meta(node)
+        if meta.kind in COLLECTIVE_KINDS:
+            seconds = collective_seconds(meta.bytes, costs)
+        elif meta.kind == "wait":
+            seconds = 0.0
+        elif meta.agreed_seconds is not None:  # the ranks' largest estimate (see agree_shapes)
+            seconds = meta.agreed_seconds
         else:
-            node.meta[SECONDS] = node_seconds(node, costs)
+            seconds = node_seconds(node, costs)
+        set_node_meta(node, seconds=seconds)

@@ -1,86 +1,71 @@
-"""Small FX helpers shared by the passes: typed node emission and alias tracking.
+"""The graph utilities the passes share: reading ops, emitting nodes, following aliases,
+moving nodes, finding collectives and the module tree's repeated blocks.
 
 Every node a pass emits gets ``meta["val"]`` by running its op on the fake inputs, so
-later passes, the memory estimate and the report can read shapes and bytes.
-Nodes a pass inserts carry ``meta["compshard"]`` (a :class:`ScheduleMeta` dict).
+later passes, the estimates and the report can read shapes and bytes; scheduled nodes
+also get a :class:`~compshard.compile_plan.NodeMeta`. Op arguments are read by name
+(:func:`op_arg`, :func:`unshard_args`, :func:`reduce_grad_args`), never by position.
 """
 
 from __future__ import annotations
 
-import contextlib
 import operator
-from typing import Any, Iterator
+import re
+from typing import Any, Callable, Iterable
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from compshard.compile_plan import (
+    COLLECTIVE_KINDS, META_KEY, Bucket, BucketPlan, Coalescing, NodeMeta, node_meta, set_node_meta,
+)
+from compshard.ops import ReduceGradArgs, UnshardArgs
 
 aten = torch.ops.aten
+prims = torch.ops.prims
 c10d = torch.ops._c10d_functional
 compshard_ops = torch.ops.compshard
 
-META_KEY = "compshard"
-MB = 2**20  # the unit of the options' sizes
+# ------------------------------------------------------------------ reading nodes
 
 
-def fake_mode_of(graph: fx.Graph):
-    for node in graph.nodes:
-        val = node.meta.get("val")
-        if isinstance(val, FakeTensor):
-            return val.fake_mode
-    raise RuntimeError("compshard: graph carries no fake tensors (meta['val']) to infer shapes from")
+def first_arg(node: fx.Node) -> Any:
+    """The value a node reads first: the base of a view, the tuple behind a getitem, the
+    collective a wait waits for, the tensor a cast converts."""
+    value, *_ = node.args
+    return value
 
 
-def emit(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, meta: dict | None = None) -> fx.Node:
-    """Create ``target(*args, **kwargs)`` at the graph's insertion point, with meta['val']."""
-    kwargs = kwargs or {}
-    node = graph.call_function(target, args, kwargs)
-    key = None
-    if _reused_values is not None:
-        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-        key = (target, str(spec), *(_value_key(leaf) if isinstance(leaf, fx.Node) else leaf for leaf in leaves))
-        if key in _reused_values:
-            node.meta["val"] = _reused_values[key]
-    if "val" not in node.meta:
-        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
-        with fake_mode_of(graph):
-            node.meta["val"] = target(*fake_args, **fake_kwargs)
-        if key is not None:
-            _reused_values[key] = node.meta["val"]
-    if meta is not None:
-        node.meta[META_KEY] = meta
-    return node
+def op_arg(node: fx.Node, name: str) -> Any:
+    """Argument ``name`` of an OpOverload call, by its schema name."""
+    if name in node.kwargs:
+        return node.kwargs[name]
+    for argument, value in zip(node.target._schema.arguments, node.args):
+        if argument.name == name:
+            return value
+    raise KeyError(f"compshard: {node.format_node()} has no argument {name!r}")
 
 
-_reused_values: dict | None = None
+def unshard_args(node: fx.Node) -> UnshardArgs:
+    """A ``compshard::unshard`` node's arguments by name."""
+    return UnshardArgs(*node.args, **node.kwargs)
 
 
-def _value_key(node: fx.Node) -> tuple:
-    """The metadata an op's fake result depends on: shape, strides, offset, dtype, device
-    (symbolic sizes by their expressions: hashing or comparing a SymInt would guard)."""
-    leaves, spec = torch.utils._pytree.tree_flatten(node.meta["val"])
-    return (str(spec), *((tuple(map(str, t.shape)), tuple(map(str, t.stride())), str(t.storage_offset()), t.dtype,
-                          t.device) if isinstance(t, torch.Tensor) else str(t) for t in leaves))
+def reduce_grad_args(node: fx.Node) -> ReduceGradArgs:
+    """A ``compshard::reduce_grad`` node's arguments by name."""
+    return ReduceGradArgs(*node.args, **node.kwargs)
 
 
-@contextlib.contextmanager
-def reuse_emitted_values() -> Iterator[None]:
-    """Within: ``emit`` computes an op's fake value once per op and argument metadata
-    (shapes, strides, dtypes) and hands the same value to later nodes alike. For graphs
-    that are only measured (shapes and bytes), not run or compiled: nodes then share
-    fake tensors, so storage identity no longer tells their values apart."""
-    global _reused_values
-    previous, _reused_values = _reused_values, {}
-    try:
-        yield
-    finally:
-        _reused_values = previous
+def output_values(graph: fx.Graph) -> Any:
+    """What the graph returns (the output node's one argument)."""
+    (values,) = graph.output_node().args
+    return values
 
 
 def producer(node: fx.Node) -> fx.Node:
     """The node that computes ``node``'s value: the op behind a getitem."""
-    return node.args[0] if node.target is operator.getitem else node
+    return first_arg(node) if node.target is operator.getitem else node
 
 
 def is_op(node: fx.Node, *targets: Any) -> bool:
@@ -96,18 +81,34 @@ def is_view(node: fx.Node) -> bool:
     return isinstance(target, torch._ops.OpOverload) and target.is_view
 
 
+def scheduled_kind(node: fx.Node) -> str | None:
+    """The kind of a node a pass inserted (None: a node of the program)."""
+    return node_meta(node).kind
+
+
+def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
+    """Each node's position. For comparing a few nodes, compare the nodes themselves
+    (``a < b``: FX keeps an order key on every node), which costs no pass over the graph."""
+    return {node: i for i, node in enumerate(graph.nodes)}
+
+
+def first_use(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
+    """The earliest user of any of ``nodes``."""
+    return min(user for node in nodes for user in node.users)
+
+
 def aliases(node: fx.Node) -> list[fx.Node]:
     """``node`` and every node that is a view of it, transitively."""
     found, stack = [node], [node]
     while stack:
         for user in stack.pop().users:
-            if is_view(user) and user.args[0] in found and user not in found:
+            if is_view(user) and first_arg(user) in found and user not in found:
                 found.append(user)
                 stack.append(user)
     return found
 
 
-_CASTS = (aten._to_copy.default, torch.ops.prims.convert_element_type.default)
+_CASTS = (aten._to_copy.default, prims.convert_element_type.default)
 
 
 def gathered_chain(unshard: fx.Node) -> list[fx.Node]:
@@ -115,7 +116,7 @@ def gathered_chain(unshard: fx.Node) -> list[fx.Node]:
     chain, stack = [unshard], [unshard]
     while stack:
         for user in stack.pop().users:
-            if user not in chain and (is_view(user) or is_op(user, *_CASTS)) and user.args[0] in chain:
+            if user not in chain and (is_view(user) or is_op(user, *_CASTS)) and first_arg(user) in chain:
                 chain.append(user)
                 stack.append(user)
     return chain
@@ -131,70 +132,71 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     return backward
 
 
-def node_order(graph: fx.Graph) -> dict[fx.Node, int]:
-    return {node: i for i, node in enumerate(graph.nodes)}
-
-
-def first_use(graph: fx.Graph, nodes: list[fx.Node]) -> fx.Node:
-    """The earliest user of any of ``nodes``."""
-    order = node_order(graph)
-    return min((user for node in nodes for user in node.users), key=order.__getitem__)
-
-
-COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
-
-
-def collective_group(graph: fx.Graph) -> str | None:
-    """The process group name of the graph's first collective start (None: no collective)."""
+def restore_stashed_vals(graph: fx.Graph) -> None:
+    """Put back each node's own ``meta["val"]`` where ``agree_shapes`` holds a stand-in."""
     for node in graph.nodes:
-        meta = node.meta.get(META_KEY)
-        if meta and meta["kind"] in COLLECTIVE_KINDS:
-            return node.args[-1]
-    return None
+        stashed = node_meta(node).stashed_val
+        if stashed is not None:
+            node.meta["val"] = stashed
+            set_node_meta(node, stashed_val=None)
 
 
-UNBACKED_SIZE_HINT = 8192  # what a data-dependent size is taken to be (Inductor's default)
+# ---------------------------------------------------------------- emitting nodes
 
 
-def size_hint(value: Any) -> int:
-    """A size as a plain int: a symbolic size's example value (its hint), read without
-    installing a guard, so estimates made from it never make Dynamo recompile for a new
-    shape. Only for estimates: a decision made from a hint must be valid for any size."""
-    if isinstance(value, torch.SymInt):
-        return optimization_hint(value, fallback=UNBACKED_SIZE_HINT)
-    return int(value)
+def fake_mode_of(graph: fx.Graph):
+    for node in graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, FakeTensor):
+            return val.fake_mode
+    raise RuntimeError("compshard: graph carries no fake tensors (meta['val']) to infer shapes from")
 
 
-def nbytes(val: Any) -> int:
-    """Bytes of a (fake) tensor or a list of them, symbolic sizes at their hints."""
-    if isinstance(val, torch.Tensor):
-        return size_hint(val.numel()) * val.element_size()
-    if isinstance(val, (list, tuple)):
-        return sum(nbytes(v) for v in val)
-    return 0
+class FakeValues:
+    """Fake results shared between nodes that run the same op on arguments of the same
+    metadata (shapes, strides, dtypes): each is traced once. For graphs that are only
+    measured (shapes and bytes), never run or compiled: nodes then share fake tensors,
+    so storage identity no longer tells their values apart."""
+
+    def __init__(self) -> None:
+        self._values: dict[tuple, Any] = {}
+
+    def get(self, target: Any, args: tuple, kwargs: dict, trace: Callable[[], Any]) -> Any:
+        """The shared result of ``target`` on arguments like these; ``trace()`` makes it."""
+        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
+        key = (target, str(spec), *(_value_key(leaf) if isinstance(leaf, fx.Node) else leaf for leaf in leaves))
+        if key not in self._values:
+            self._values[key] = trace()
+        return self._values[key]
 
 
-def schedule_meta(kind: str, params: list[str], nbytes_: int, collective: str | None = None) -> dict:
-    """``meta["compshard"]`` of an inserted node.
-
-    ``kind``: all_gather | reduce_scatter | all_reduce (collective starts), wait, free,
-    pack (shard -> send buffer), unpack (received buffer -> tensor).
-    ``unit``: the module owning the first parameter. ``bytes``: the same on every rank
-    (padded, full-buffer sizes), so it can enter the schedule fingerprint.
-    ``collective``: links a start, its wait and the pack/unpack nodes around it.
-    """
-    return {
-        "kind": kind,
-        "params": list(params),
-        "unit": params[0].rpartition(".")[0] if params else "",
-        "bytes": int(nbytes_),
-        "collective": collective,
-    }
+def _value_key(node: fx.Node) -> tuple:
+    """The metadata an op's fake result depends on: shape, strides, offset, dtype, device
+    (symbolic sizes by their expressions: hashing or comparing a SymInt would guard)."""
+    leaves, spec = torch.utils._pytree.tree_flatten(node.meta["val"])
+    return (str(spec), *((tuple(map(str, t.shape)), tuple(map(str, t.stride())), str(t.storage_offset()), t.dtype,
+                          t.device) if isinstance(t, torch.Tensor) else str(t) for t in leaves))
 
 
-def schedule_kind(node: fx.Node) -> str | None:
-    meta = node.meta.get(META_KEY)
-    return meta["kind"] if meta else None
+def emit(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, meta: NodeMeta | None = None,
+         fake_values: FakeValues | None = None) -> fx.Node:
+    """Create ``target(*args, **kwargs)`` at the graph's insertion point, with
+    ``meta["val"]`` (from ``fake_values`` when given) and ``meta``."""
+    kwargs = kwargs or {}
+    node = graph.call_function(target, args, kwargs)
+
+    def trace() -> Any:
+        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+        with fake_mode_of(graph):
+            return target(*fake_args, **fake_kwargs)
+
+    node.meta["val"] = fake_values.get(target, args, kwargs, trace) if fake_values is not None else trace()
+    if meta is not None:
+        node.meta[META_KEY] = meta
+    return node
+
+
+# ------------------------------------------------------------------- moving nodes
 
 
 def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
@@ -204,18 +206,17 @@ def hoist_before(node: fx.Node, anchor: fx.Node) -> None:
     copy to the GPU) move (a shard's path from the graph input), so moving cannot change
     what any node computes.
     """
-    order = node_order(anchor.graph)
     pending = [node]
     to_move: list[fx.Node] = []
     while pending:
         current = pending.pop()
-        if current.op == "placeholder" or order[current] < order[anchor] or current in to_move:
+        if current.op == "placeholder" or current < anchor or current in to_move:
             continue
         if not (is_view(current) or is_op(current, aten._to_copy.default)):
             raise RuntimeError(f"compshard: cannot move {current.format_node()} above {anchor.name}: not a view")
         to_move.append(current)
         pending.extend(current.all_input_nodes)
-    for moving in sorted(to_move, key=order.__getitem__):
+    for moving in sorted(to_move):
         anchor.prepend(moving)
 
 
@@ -223,13 +224,128 @@ def sink_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
     """Move ``nodes`` and everything that depends on them and precedes ``anchor`` to just
     above ``anchor``, keeping their order. Used to run users of a value that is now
     produced later (a bucket's unpacked gradient) after it; they only get delayed."""
-    order = node_order(anchor.graph)
     moving, pending = set(), list(nodes)
     while pending:
         node = pending.pop()
-        if node in moving or order[node] >= order[anchor]:
+        if node in moving or node >= anchor:
             continue
         moving.add(node)
         pending.extend(node.users)
-    for node in sorted(moving, key=order.__getitem__):
+    for node in sorted(moving):
         anchor.prepend(node)
+
+
+# --------------------------------------------------------------------- collectives
+
+
+def collective_group(graph: fx.Graph) -> str | None:
+    """The process group name of the graph's first collective start (None: no collective)."""
+    for node in graph.nodes:
+        if scheduled_kind(node) in COLLECTIVE_KINDS:
+            return op_arg(node, "group_name")
+    return None
+
+
+def collective_groups(graph: fx.Graph, kind: str) -> list[dict]:
+    """Each collective of ``kind`` with its pack nodes, start, wait and unpack nodes, in
+    order of the start."""
+    groups: dict[str, dict] = {}
+    for node in graph.nodes:
+        meta = node_meta(node)
+        if not meta.collective:
+            continue
+        group = groups.setdefault(meta.collective, {"pack": [], "unpack": [], "start": None, "wait": None})
+        if meta.kind == kind:
+            group["start"] = node
+        elif meta.kind in ("pack", "unpack"):
+            group[meta.kind].append(node)
+        elif meta.kind == "wait":
+            group["wait"] = node
+    return [g for g in groups.values() if g["start"] is not None]
+
+
+def start_gathers_at_waits(graph: fx.Graph) -> list[dict]:
+    """Move every all-gather's pack and start to just before its wait (nothing in flight
+    at once); return the gathers in order of their waits."""
+    order = node_order(graph)
+    gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: order[g["wait"]])
+    for gather in gathers:
+        for node in gather["pack"] + [gather["start"]]:
+            gather["wait"].prepend(node)
+    return gathers
+
+
+def gathered_buffers(graph: fx.Graph) -> list[fx.Node]:
+    """Bucket all-gather outputs and the parameters unpacked from them."""
+    return [node for node in graph.nodes if node_meta(node).gathered]
+
+
+def escapes(buffer: fx.Node) -> bool:
+    """Whether ``buffer`` or a view of it is a graph output."""
+    return any(user.op == "output" for alias in aliases(buffer) for user in alias.users)
+
+
+def members_by_bucket(markers: list[fx.Node], buckets: BucketPlan) -> list[tuple[Bucket, list[fx.Node]]]:
+    """(bucket, ``unshard`` or ``reduce_grad`` markers) in order of each bucket's first
+    marker in ``markers``."""
+    groups: dict[int, tuple[Bucket, list[fx.Node]]] = {}
+    for node in markers:
+        bucket = buckets.bucket_of(op_arg(node, "param"))
+        groups.setdefault(bucket.index, (bucket, []))[1].append(node)
+    return list(groups.values())
+
+
+def collective_members(markers: list[fx.Node], buckets: BucketPlan, coalescing: Coalescing | None,
+                       kind: str) -> list[list[tuple[Bucket, list[fx.Node]]]]:
+    """The buckets of ``markers`` grouped by the collective of ``kind`` ("all_gather" or
+    "reduce_scatter") they share in ``coalescing``, each bucket alone where it has none."""
+    plan = coalescing.collectives(kind) if coalescing is not None else ()
+    collective_of = {name: i for i, names in enumerate(plan) for name in names}
+    groups: dict[object, list[tuple[Bucket, list[fx.Node]]]] = {}
+    for bucket, members in members_by_bucket(markers, buckets):
+        groups.setdefault(collective_of.get(bucket.name, bucket.name), []).append((bucket, members))
+    return list(groups.values())
+
+
+# --------------------------------------------------------------------- module tree
+
+
+def module_of(param: str) -> str:
+    """The module path of a parameter name (``blocks.0.attn`` for ``blocks.0.attn.weight``)."""
+    return param.rpartition(".")[0]
+
+
+def repeated_block(module: str, containers: set[str]) -> str | None:
+    """The outermost repeated block (``blocks.3``) that module path ``module`` lies in."""
+    parts = module.split(".")
+    for i in range(1, len(parts)):
+        if parts[i].isdigit() and ".".join(parts[:i]) in containers:
+            return ".".join(parts[: i + 1])
+    return None
+
+
+def repeated_containers(modules: Iterable[str]) -> set[str]:
+    """Module paths with at least two numbered children among ``modules`` (``blocks``)."""
+    children: dict[str, set[str]] = {}
+    for module in modules:
+        for match in re.finditer(r"\.(\d+)(?=\.)", "." + module + "."):
+            prefix = ("." + module)[: match.start()].lstrip(".")
+            children.setdefault(prefix, set()).add(match.group(1))
+    return {prefix for prefix, numbers in children.items() if len(numbers) >= 2}
+
+
+def _module_path(node: fx.Node) -> str | None:
+    """The innermost module ``node`` was traced in, as a dotted path from the compiled root."""
+    stack = node.meta.get("nn_module_stack")
+    if not stack:
+        return None
+    path = list(stack.values())[-1][0]
+    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
+    return re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", path)
+
+
+def block_of_nodes(nodes: list[fx.Node]) -> dict[fx.Node, str]:
+    """Node -> the repeated block it was traced in (nodes outside blocks are absent)."""
+    paths = {node: path for node in nodes if (path := _module_path(node)) is not None}
+    containers = repeated_containers(paths.values())
+    return {node: block for node, path in paths.items() if (block := repeated_block(path, containers))}

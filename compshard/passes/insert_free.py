@@ -1,7 +1,8 @@
 """Forward/backward pass: free each gathered buffer and bucket right after its last use.
 
-Before: gathered values (nodes marked ``gathered``: a bucket's all-gather output and the
-flat tensor its parameters are unpacked into) live until Python drops the last reference.
+Before: gathered values (nodes marked ``NodeMeta.gathered``: a bucket's all-gather output
+and the flat tensor its parameters are unpacked into) live until Python drops the last
+reference.
 After: a ``compshard::free(value)`` node directly after the last user of any alias of
 each one, releasing its storage at that point even if something else still holds a
 reference. A value with an alias among the graph outputs is left alone: it is saved for
@@ -13,21 +14,12 @@ from __future__ import annotations
 
 from torch import fx
 
+from compshard.compile_plan import NodeMeta, node_meta
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import META_KEY, aliases, compshard_ops, emit, node_order, schedule_meta
+from compshard.passes.fx_utils import aliases, compshard_ops, emit, escapes, gathered_buffers, node_order
 
 
-def gathered_buffers(graph: fx.Graph) -> list[fx.Node]:
-    """Bucket all-gather outputs and the parameters unpacked from them."""
-    return [node for node in graph.nodes if node.meta.get(META_KEY, {}).get("gathered")]
-
-
-def escapes(buffer: fx.Node) -> bool:
-    return any(user.op == "output" for alias in aliases(buffer) for user in alias.users)
-
-
-def insert_free(gm: fx.GraphModule, ctx: PassContext) -> None:
-    graph = gm.graph
+def insert_free(graph: fx.Graph, ctx: PassContext) -> None:
     order = node_order(graph)
     for buffer in gathered_buffers(graph):
         if escapes(buffer):
@@ -37,8 +29,8 @@ def insert_free(gm: fx.GraphModule, ctx: PassContext) -> None:
         if not users:
             continue
         last = max(users, key=order.__getitem__)
-        meta = buffer.meta[META_KEY]
+        meta = node_meta(buffer)
         with graph.inserting_after(last):
-            of = "buffer" if meta["kind"] == "wait" else "params"
+            freed = "buffer" if meta.kind == "wait" else "params"
             emit(graph, compshard_ops.free.default, (buffer,),
-                 meta={**schedule_meta("free", meta["params"], meta["bytes"], meta["collective"]), "of": of})
+                 meta=NodeMeta("free", meta.params, meta.bytes, meta.collective, freed=freed))

@@ -1,9 +1,9 @@
 """Backward pass: lower ``compshard::reduce_grad`` to bucketed reduce-scatters.
 
-Before: ``local = reduce_grad(full_grad, ...)`` per parameter; the bucket plan.
-After, per collective of the plan (``ctx.notes["coalesced"]["reduce_scatter"]`` from
-``coalesce_collectives``; one bucket each without it), as soon as the last of its
-gradients exists (just before the latest member's marker): a ``pack`` node
+Before: ``local = reduce_grad(full_grad, ...)`` per parameter. Takes the bucket plan and
+the coalescing (``coalesce_collectives``; None: one collective per bucket).
+After, per collective of the coalescing, as soon as the last of its gradients exists
+(just before the latest member's marker): a ``pack`` node
 (``compshard::reduce_scatter_copy_in``: flatten, cast to the reduce dtype, divide by the
 world size, zero-pad into the rank-major buffer) and the ``reduce_scatter_tensor`` start
 (sum); just before the first use of any member's
@@ -33,26 +33,27 @@ import operator
 import torch
 from torch import fx
 
-from compshard.ops import Layout, ReduceGradArgs, group_size
+from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta
+from compshard.ops import ShardLayout, group_size
 from compshard.passes.context import PassContext
-from compshard.passes.assign_buckets import Bucket, collective_members
 from compshard.passes.fx_utils import (
-    aten, c10d, compshard_ops, emit, first_use, is_op, is_view, node_order, schedule_meta, sink_before,
+    FakeValues, aten, c10d, collective_members, compshard_ops, emit, first_use, is_op, is_view, node_order, op_arg,
+    prims, reduce_grad_args, sink_before,
 )
 
-prims = torch.ops.prims
 
-
-def _cast_and_view(graph: fx.Graph, value: fx.Node, local: torch.Tensor, meta: dict) -> fx.Node:
+def _cast_and_view(graph: fx.Graph, value: fx.Node, local: torch.Tensor, meta: NodeMeta,
+                   fake_values: FakeValues | None) -> fx.Node:
     if value.meta["val"].dtype != local.dtype:
-        value = emit(graph, prims.convert_element_type.default, (value, local.dtype), meta=meta)
-    return emit(graph, aten.view.default, (value, list(local.shape)), meta=meta)
+        value = emit(graph, prims.convert_element_type.default, (value, local.dtype), meta=meta,
+                     fake_values=fake_values)
+    return emit(graph, aten.view.default, (value, list(local.shape)), meta=meta, fake_values=fake_values)
 
 
-def _lower_alone(graph: fx.Graph, node: fx.Node, label: str) -> None:
+def _lower_alone(graph: fx.Graph, node: fx.Node, label: str, fake_values: FakeValues | None) -> None:
     """No communication (cast and view), or a replicated (0-d) parameter: all-reduce the
     average over the shard group (started at once), then over the replica group."""
-    args = ReduceGradArgs(*node.args)
+    args = reduce_grad_args(node)
     grad, param = args.grad, args.param
     groups = [name for name, size in ((args.group_name, args.world_size),
                                       (args.replicate_group, group_size(args.replicate_group))) if size > 1]
@@ -60,24 +61,25 @@ def _lower_alone(graph: fx.Graph, node: fx.Node, label: str) -> None:
     nbytes = grad.meta["val"].numel() * dtype.itemsize
     labels = [f"{label}.{i}" if i else label for i in range(len(groups))]  # one per collective
 
-    def meta(kind: str, collective: str = label) -> dict:
-        return schedule_meta(kind, [param], nbytes if kind != "unpack" else 0, collective)
+    def add(target, node_args: tuple, kind: str, collective: str = label) -> fx.Node:
+        meta = NodeMeta(kind, (param,), nbytes if kind != "unpack" else 0, collective)
+        return emit(graph, target, node_args, meta=meta, fake_values=fake_values)
 
     value = grad
     with graph.inserting_before(node):
         if dtype != value.meta["val"].dtype:
-            value = emit(graph, prims.convert_element_type.default, (value, dtype), meta=meta("pack"))
+            value = add(prims.convert_element_type.default, (value, dtype), "pack")
         if groups:
             total = args.world_size * group_size(args.replicate_group)
-            value = emit(graph, aten.div.Tensor, (value, total), meta=meta("pack"))
-            start = emit(graph, c10d.all_reduce.default, (value, "sum", groups[0]), meta=meta("all_reduce"))
+            value = add(aten.div.Tensor, (value, total), "pack")
+            start = add(c10d.all_reduce.default, (value, "sum", groups[0]), "all_reduce")
     with graph.inserting_before(first_use(graph, [node])):
         for i, collective in enumerate(labels):
             if i:
-                start = emit(graph, c10d.all_reduce.default, (value, "sum", groups[i]),
-                             meta=meta("all_reduce", collective))
-            value = emit(graph, c10d.wait_tensor.default, (start,), meta=meta("wait", collective))
-        value = _cast_and_view(graph, value, node.meta["val"], meta("unpack", labels[-1] if labels else label))
+                start = add(c10d.all_reduce.default, (value, "sum", groups[i]), "all_reduce", collective)
+            value = add(c10d.wait_tensor.default, (start,), "wait", collective)
+        unpack = NodeMeta("unpack", (param,), 0, labels[-1] if labels else label)
+        value = _cast_and_view(graph, value, node.meta["val"], unpack, fake_values)
     node.replace_all_uses_with(value)
     graph.erase_node(node)
 
@@ -87,40 +89,42 @@ def _only_views_to_output(node: fx.Node) -> bool:
     return is_view(node) and all(u.op == "output" or _only_views_to_output(u) for u in node.users)
 
 
-def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]],
-                      label: str) -> tuple[fx.Node, ...] | None:
+def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]], label: str,
+                      fake_values: FakeValues | None) -> tuple[fx.Node, ...] | None:
     """Reduce-scatter the buckets of ``group`` (usually one; several when coalesced) within
     the shard group (when it has more than one rank), then all-reduce across the replica
     group (when there is one). Returns, for both, the reduce-scatter's start and wait and
     the all-reduce's start."""
     members = [member for _, bucket_members in group for member in bucket_members]
-    bucket_names = [bucket.name for bucket, _ in group]
-    first = ReduceGradArgs(*members[0].args)
+    bucket_names = tuple(bucket.name for bucket, _ in group)
+    first, *_ = member_args = [reduce_grad_args(member) for member in members]
     world_size, group_name, replicate_group = first.world_size, first.group_name, first.replicate_group
     replicas = group_size(replicate_group)
-    names = [m.args[4] for m in members]
-    grads = [m.args[0] for m in members]
-    dtype = first.reduce_dtype or grads[0].meta["val"].dtype
-    shard_numels = [Layout(tuple(m.args[1]), world_size, rank=0).padded_shard_numel for m in members]
+    names = [a.param for a in member_args]
+    grads = [a.grad for a in member_args]
+    dtype = first.reduce_dtype or first.grad.meta["val"].dtype
+    shard_numels = [ShardLayout(tuple(a.full_shape), world_size, rank=0).padded_shard_numel for a in member_args]
     locals_ = [m.meta["val"] for m in members]
     nbytes = world_size * sum(shard_numels) * dtype.itemsize
     reduced_label = label if replicas == 1 else f"{label}.replicas"  # the collective whose result is unpacked
 
-    def meta(kind: str, params: list[str], size: int, collective: str = label) -> dict:
-        return {**schedule_meta(kind, params, size, collective), "bucket": "+".join(bucket_names),
-                "buckets": bucket_names}
+    def meta(kind: str, params: list[str], size: int, collective: str = label) -> NodeMeta:
+        return NodeMeta(kind, tuple(params), int(size), collective, bucket_names)
+
+    def add(target, node_args: tuple, node_meta: NodeMeta) -> fx.Node:
+        return emit(graph, target, node_args, meta=node_meta, fake_values=fake_values)
 
     order = node_order(graph)
     with graph.inserting_before(max(members, key=order.__getitem__)):
-        packed = emit(graph, compshard_ops.reduce_scatter_copy_in.default,
-                      (grads, shard_numels, world_size, dtype, float(world_size * replicas)),
-                      meta=meta("pack", names, nbytes, reduced_label if world_size == 1 else label))
+        packed = add(compshard_ops.reduce_scatter_copy_in.default,
+                     (grads, shard_numels, world_size, dtype, float(world_size * replicas)),
+                     meta("pack", names, nbytes, reduced_label if world_size == 1 else label))
         if world_size > 1:
-            start = emit(graph, c10d.reduce_scatter_tensor.default, (packed, "sum", world_size, group_name),
-                         meta=meta("reduce_scatter", names, nbytes))
+            start = add(c10d.reduce_scatter_tensor.default, (packed, "sum", world_size, group_name),
+                        meta("reduce_scatter", names, nbytes))
         else:  # no sharding: all-reduce as soon as the bucket is packed
-            start = emit(graph, c10d.all_reduce.default, (packed, "sum", replicate_group),
-                         meta=meta("all_reduce", names, nbytes, reduced_label))
+            start = add(c10d.all_reduce.default, (packed, "sum", replicate_group),
+                        meta("all_reduce", names, nbytes, reduced_label))
     # The wait goes before the first user that computes with a reduced gradient; users
     # that only view it on its way out of the graph, and users placed before the start,
     # move after the wait.
@@ -131,24 +135,23 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
     early = [u for u in users if u not in computing and order[u] < order[anchor]]
     shard_bytes = sum(shard_numels) * dtype.itemsize
     with graph.inserting_before(anchor):
-        reduced = emit(graph, c10d.wait_tensor.default, (start,),
-                       meta=meta("wait", names, nbytes, label if world_size > 1 else reduced_label))
+        reduced = add(c10d.wait_tensor.default, (start,),
+                      meta("wait", names, nbytes, label if world_size > 1 else reduced_label))
         handoff = None
         if world_size > 1 and replicas > 1:
             handoff = (start, reduced)
-            across = emit(graph, c10d.all_reduce.default, (reduced, "sum", replicate_group),
-                          meta=meta("all_reduce", names, shard_bytes, reduced_label))
-            reduced = emit(graph, c10d.wait_tensor.default, (across,), meta=meta("wait", names, shard_bytes,
-                                                                                   reduced_label))
+            across = add(c10d.all_reduce.default, (reduced, "sum", replicate_group),
+                         meta("all_reduce", names, shard_bytes, reduced_label))
+            reduced = add(c10d.wait_tensor.default, (across,), meta("wait", names, shard_bytes, reduced_label))
             handoff = (*handoff, across)
-        unpacked = emit(graph, compshard_ops.reduce_scatter_copy_out.default,
-                        (reduced, shard_numels, [math.prod(v.shape) for v in locals_], locals_[0].dtype),
-                        meta=meta("unpack", names, sum(v.numel() for v in locals_) * locals_[0].dtype.itemsize,
-                                  reduced_label))
+        unpacked = add(compshard_ops.reduce_scatter_copy_out.default,
+                       (reduced, shard_numels, [math.prod(v.shape) for v in locals_], locals_[0].dtype),
+                       meta("unpack", names, sum(v.numel() for v in locals_) * locals_[0].dtype.itemsize,
+                            reduced_label))
         for i, (member, local) in enumerate(zip(members, locals_)):
-            flat = emit(graph, operator.getitem, (unpacked, i), meta=meta("unpack", [names[i]], 0, reduced_label))
+            flat = add(operator.getitem, (unpacked, i), meta("unpack", [names[i]], 0, reduced_label))
             view_meta = meta("unpack", [names[i]], 0, reduced_label)
-            member.replace_all_uses_with(_cast_and_view(graph, flat, local, view_meta))
+            member.replace_all_uses_with(_cast_and_view(graph, flat, local, view_meta, fake_values))
             graph.erase_node(member)
     sink_before(early, anchor)
     return handoff
@@ -161,7 +164,7 @@ def _hand_off_early(graph: fx.Graph, handoffs: list[tuple[fx.Node, ...]]) -> Non
     order = node_order(graph)
     handoffs = sorted(handoffs, key=lambda h: order[h[0]])
     for (_, wait, across), (next_start, _, _) in zip(handoffs, handoffs[1:]):
-        next_pack = next_start.args[0]
+        next_pack = op_arg(next_start, "input")
         (across_wait,) = across.users
         if order[across_wait] > order[next_pack]:  # its result is not needed before then
             next_pack.prepend(wait)
@@ -171,23 +174,20 @@ def _hand_off_early(graph: fx.Graph, handoffs: list[tuple[fx.Node, ...]]) -> Non
 def reduced_in_bucket(reduce_grad: fx.Node) -> bool:
     """Whether the gradient goes through its bucket's collective: it communicates (more
     than one data-parallel rank) and is not replicated (0-d, all-reduced alone)."""
-    args = ReduceGradArgs(*reduce_grad.args)
+    args = reduce_grad_args(reduce_grad)
     communicates = args.world_size * group_size(args.replicate_group) > 1
-    return communicates and not Layout(tuple(args.full_shape), args.world_size, rank=0).replicated
+    return communicates and not ShardLayout(tuple(args.full_shape), args.world_size, rank=0).replicated
 
 
-def lower_reduce_grads(graph: fx.Graph, ctx: PassContext) -> None:
-    """The pass on a bare graph (``coalesce_collectives`` lowers copies to compare plans)."""
+def lower_reduce_grad(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, coalescing: Coalescing | None, *,
+                      fake_values: FakeValues | None = None) -> None:
+    """``fake_values``: for copies that are only measured (``coalesce_collectives``)."""
     bucketed = []
     for index, node in enumerate([n for n in graph.nodes if is_op(n, compshard_ops.reduce_grad.default)]):
         if reduced_in_bucket(node):
             bucketed.append(node)
         else:
-            _lower_alone(graph, node, f"{ctx.graph}.reduce.{index}")
-    handoffs = [_lower_collective(graph, group, f"{ctx.graph}.reduce_scatter.{index}")
-                for index, group in enumerate(collective_members(bucketed, ctx, "reduce_scatter"))]
+            _lower_alone(graph, node, f"{ctx.graph}.reduce.{index}", fake_values)
+    handoffs = [_lower_collective(graph, group, f"{ctx.graph}.reduce_scatter.{index}", fake_values)
+                for index, group in enumerate(collective_members(bucketed, buckets, coalescing, "reduce_scatter"))]
     _hand_off_early(graph, [h for h in handoffs if h is not None])
-
-
-def lower_reduce_grad(gm: fx.GraphModule, ctx: PassContext) -> None:
-    lower_reduce_grads(gm.graph, ctx)

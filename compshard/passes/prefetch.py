@@ -12,18 +12,19 @@ of use:
   the wait less the time of the gathers still queued ahead of it, since collectives run
   one after another; so once communication outweighs compute, starting earlier hides
   nothing more and only holds more memory. ``"auto"`` also never starts a gather where
-  its bytes would raise the graph's estimated peak (``estimate_memory.live_bytes`` with
+  its bytes would raise the graph's estimated peak (``memory_model.live_bytes`` with
   every gather started at its wait) anywhere before its wait.
 
 Either way a gather never starts before the one used before it (issue order = order of
 use), and the bytes of all-gathers in flight at its start (started and not yet waited,
 this one included) fit ``max_inflight_mb``; a collective alone may exceed it. Waits do
-not move, so every use still follows its wait; ``ctx.notes["prefetch"]`` records, per
-bucket, across how many other all-gathers' uses its gather runs (0: started at its wait).
+not move, so every use still follows its wait. Returns the
+:class:`~compshard.compile_plan.Prefetch`: per bucket, across how many other all-gathers'
+uses its gather runs (0: started at its wait).
 
 Trade-off: a longer lead hides more latency but holds more gathered bytes at once.
 
-Cost: positions, live bytes (``estimate_memory.LiveProfile``) and compute prefix sums
+Cost: positions, live bytes (``memory_model.LiveProfile``) and compute prefix sums
 are built once per graph and updated only over the window of positions each gather
 moves across, instead of recomputed for every gather; sizes are hints (no guards).
 """
@@ -32,44 +33,30 @@ from __future__ import annotations
 
 from torch import fx
 
+from compshard.compile_plan import MiB, Prefetch, node_meta
+from compshard.sizes import nbytes
 from compshard.passes.context import PassContext
-from compshard.passes.estimate_costs import SECONDS
-from compshard.passes.estimate_memory import LiveProfile, backend_scratch_bytes
-from compshard.passes.fx_utils import MB, META_KEY, aten, is_op, is_view, nbytes, node_order, schedule_kind
-
-
-
-def collective_groups(graph: fx.Graph, kind: str) -> list[dict]:
-    """Each collective of ``kind`` with its pack nodes, start, wait and unpack nodes, in
-    order of the start."""
-    groups: dict[str, dict] = {}
-    for node in graph.nodes:
-        meta = node.meta.get(META_KEY)
-        if not meta or not meta["collective"]:
-            continue
-        group = groups.setdefault(meta["collective"], {"pack": [], "unpack": [], "start": None, "wait": None})
-        if meta["kind"] == kind:
-            group["start"] = node
-        elif meta["kind"] in ("pack", "unpack"):
-            group[meta["kind"]].append(node)
-        elif meta["kind"] == "wait":
-            group["wait"] = node
-    return [g for g in groups.values() if g["start"] is not None]
+from compshard.passes.fx_utils import aten, is_op, is_view, scheduled_kind, start_gathers_at_waits
+from compshard.passes.memory_model import LiveProfile, backend_scratch_bytes
 
 
 def _inflight_bytes(gathers: list[dict], index: int, start_position: int, order: dict) -> int:
     """Bytes in flight if gather ``index`` ran from ``start_position`` to its wait: its own
     plus every other gather whose interval meets that span (an upper bound)."""
     wait_position = order[gathers[index]["wait"]]
-    nbytes = gathers[index]["start"].meta[META_KEY]["bytes"]
+    inflight = node_meta(gathers[index]["start"]).bytes
     for k, other in enumerate(gathers):
         if k != index and order[other["start"]] < wait_position and order[other["wait"]] >= start_position:
-            nbytes += other["start"].meta[META_KEY]["bytes"]
-    return nbytes
+            inflight += node_meta(other["start"]).bytes
+    return inflight
+
+
+def _seconds(node: fx.Node) -> float:
+    return node_meta(node).seconds or 0.0
 
 
 def _compute_seconds(node: fx.Node) -> float:
-    return node.meta.get(SECONDS, 0.0) if schedule_kind(node) is None else 0.0
+    return _seconds(node) if scheduled_kind(node) is None else 0.0
 
 
 def _compute_prefix(graph: fx.Graph) -> list[float]:
@@ -78,17 +65,6 @@ def _compute_prefix(graph: fx.Graph) -> list[float]:
     for node in graph.nodes:
         prefix.append(prefix[-1] + _compute_seconds(node))
     return prefix
-
-
-def start_gathers_at_waits(graph: fx.Graph) -> list[dict]:
-    """Move every all-gather's pack and start to just before its wait (nothing in flight
-    at once); return the gathers in order of their waits."""
-    order = node_order(graph)
-    gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: order[g["wait"]])
-    for gather in gathers:
-        for node in gather["pack"] + [gather["start"]]:
-            gather["wait"].prepend(node)
-    return gathers
 
 
 def _auto_start(gathers: list[dict], i: int, order: dict, during: list[int], prefix: list[float],
@@ -100,7 +76,7 @@ def _auto_start(gathers: list[dict], i: int, order: dict, during: list[int], pre
     gather = gathers[i]
     issued_at = order[(gather["pack"] + [gather["start"]])[0]]
     wait_position = order[gather["wait"]]
-    need = gather["start"].meta[SECONDS]
+    need = _seconds(gather["start"])
     held = sum(nbytes(n.meta.get("val")) for n in gather["pack"] if not is_view(n)) \
         + backend_scratch_bytes(gather["start"])  # the output (filled in place) and the backend's own
     best, best_hidden, highest = issued_at, 0.0, 0
@@ -108,7 +84,7 @@ def _auto_start(gathers: list[dict], i: int, order: dict, during: list[int], pre
         highest = max(highest, during[position])
         if highest + held > peak or _inflight_bytes(gathers, i, position, order) > bound:
             break
-        queued = sum(g["start"].meta[SECONDS] for g in gathers[:i] if order[g["wait"]] >= position)
+        queued = sum(_seconds(g["start"]) for g in gathers[:i] if order[g["wait"]] >= position)
         hidden = min(need, prefix[wait_position] - prefix[position] - queued)
         if hidden > best_hidden * (1 + 1e-6):
             best, best_hidden = position, hidden
@@ -147,13 +123,12 @@ def _shard_chain(shard: fx.Node, moving: list[fx.Node], order: dict, cursor: int
     return sorted(chain, key=order.__getitem__)
 
 
-def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
+def prefetch(graph: fx.Graph, ctx: PassContext) -> Prefetch:
     """One walk over the graph: the positions, live bytes and compute prefix sums are
     built once and updated only inside the window each gather moves across."""
-    graph = gm.graph
     gathers = start_gathers_at_waits(graph)  # from a known state
     last_input = list(graph.find_nodes(op="placeholder"))[-1]
-    bound = ctx.options.max_inflight_mb * MB
+    bound = ctx.options.max_inflight_mb * MiB
     profile = LiveProfile(graph, count_inputs=ctx.graph == "backward")
     order, nodes = profile.order, profile.nodes
     peak = max(profile.during, default=0)
@@ -172,7 +147,7 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
         # all-gathers ahead: across how many others' uses the gather now runs (0: it starts at its wait)
         distance = 0 if position >= issued_at else i - max(
             (j for j in range(i) if order[gathers[j]["wait"]] < position), default=-1)
-        for bucket in gather["start"].meta[META_KEY]["buckets"]:
+        for bucket in node_meta(gather["start"]).buckets:
             distances[bucket] = distance
         if position < issued_at:
             cursor = nodes[position - 1]
@@ -189,4 +164,4 @@ def prefetch(gm: fx.GraphModule, ctx: PassContext) -> None:
             for index in range(position, last + 1):
                 prefix[index + 1] = prefix[index] + _compute_seconds(nodes[index])
         placed.update(moving)
-    ctx.notes["prefetch"] = distances
+    return Prefetch(tuple(distances.items()))

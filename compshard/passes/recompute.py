@@ -1,11 +1,11 @@
 """Joint-graph pass: the activation recompute (checkpointing) policy, as partitioner tags.
 
 Before: the joint graph, gathered-parameter chains tagged by ``tag_gathered_params``.
-After (graph unchanged): the forward nodes the policy decides on carry
-``meta["recompute"]``: ``MUST_SAVE`` (kept from forward to backward when the backward
-needs it) or ``MUST_RECOMPUTE`` (run again in the backward), so the min-cut partitioner
-produces the policy; ``ctx.shared["recompute"]`` holds the plan (:class:`RecomputeNote`),
-completed by :func:`record_saved` with what the partition really saves.
+After: the forward nodes the policy decides on carry ``meta["recompute"]``: ``MUST_SAVE``
+(kept from forward to backward when the backward needs it) or ``MUST_RECOMPUTE`` (run
+again in the backward), so the min-cut partitioner produces the policy; returns the plan
+(:class:`~compshard.compile_plan.RecomputePlan`), which the partition
+(``passes/partition.py``) completes with what the forward really saves.
 
 Policies (``options.recompute``), on the repeated blocks of the module tree (``blocks.3``:
 the blocks ``assign_buckets`` buckets by, found from ``nn_module_stack``):
@@ -42,25 +42,24 @@ constants, so every rank tags the same nodes.
 from __future__ import annotations
 
 import operator
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum
 from typing import Callable, Mapping
 
 import torch
 from torch import fx
-from torch.multiprocessing.reductions import StorageWeakRef
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compshard.compile_plan import MiB, RecomputePlan
 from compshard.cost_model import Costs, costs_for, node_seconds
+from compshard.sizes import nbytes
 from compshard.logs import warn
-from compshard.passes.assign_buckets import repeated_block, repeated_containers
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    MB, aten, backward_nodes, compshard_ops, gathered_chain, is_op, is_view, nbytes, producer,
+    aten, backward_nodes, block_of_nodes, compshard_ops, first_arg, is_op, is_view, producer, unshard_args,
 )
 
-__all__ = ["RecomputeNote", "recompute", "record_saved", "block_of_nodes", "COMPUTE_INTENSIVE"]
+__all__ = ["recompute", "COMPUTE_INTENSIVE"]
 
 # Ops whose outputs "selective" keeps: recomputing them costs real FLOPs.
 COMPUTE_INTENSIVE = frozenset(
@@ -80,62 +79,6 @@ class Level(IntEnum):
     SAVE = 0
     SELECTIVE = 1
     FULL = 2
-
-
-@dataclass
-class RecomputeNote:
-    """What the pass planned and, after partitioning, what is saved for backward.
-
-    ``planned_bytes``: activations the plan saves (budget mode: the figure the budget is
-    checked against; other policies: the tagged blocks only). ``levels``: block ->
-    ``"save"``, ``"selective"`` or ``"full"``. ``saved``: after the partition, bytes
-    saved for backward by kind: ``"activations"``, ``"gathered params"`` (kept
-    ``unshard`` outputs) and ``"inputs"`` (graph inputs: shards, buffers, the batch).
-    """
-
-    policy: str
-    budget_bytes: int | None = None
-    planned_bytes: int = 0
-    recompute_seconds: float = 0.0
-    fits: bool = True
-    levels: dict[str, str] = field(default_factory=dict)
-    saved: dict[str, int] = field(default_factory=dict)
-
-    def blocks_summary(self) -> str:
-        """How many blocks are at each level (``"1 full, 1 save"``)."""
-        levels = list(self.levels.values())
-        return ", ".join(f"{levels.count(level)} {level}" for level in dict.fromkeys(levels))
-
-    def describe(self) -> str:
-        parts = [f"recompute {self.policy}"]
-        if self.policy != "none":
-            parts[0] += f" (blocks: {self.blocks_summary()})" if self.levels else " (no repeated blocks: nothing tagged)"
-        if self.saved:
-            parts.append("saved for backward: " + ", ".join(f"{kind} {n / MB:.3f} MiB" for kind, n in self.saved.items()))
-        if self.budget_bytes is not None:
-            verdict = "fits" if self.fits else "does NOT fit (no further recompute frees bytes)"
-            parts.append(f"budget {self.budget_bytes / MB:.3f} MiB, planned {self.planned_bytes / MB:.3f} MiB: {verdict}")
-        return "; ".join(parts)
-
-
-# ------------------------------------------------------------------------ graph facts
-
-
-def _module_path(node: fx.Node) -> str | None:
-    """The innermost module ``node`` was traced in, as a dotted path from the compiled root."""
-    stack = node.meta.get("nn_module_stack")
-    if not stack:
-        return None
-    path = list(stack.values())[-1][0]
-    path = re.sub(r"\._modules\[['\"]([^'\"]+)['\"]\]", r".\1", path)
-    return re.sub(r"^L\[['\"][^'\"]*['\"]\]\.?", "", path)
-
-
-def block_of_nodes(nodes: list[fx.Node]) -> dict[fx.Node, str]:
-    """Node -> the repeated block it was traced in (nodes outside blocks are absent)."""
-    paths = {node: path for node in nodes if (path := _module_path(node)) is not None}
-    containers = repeated_containers(paths.values())
-    return {node: block for node, path in paths.items() if (block := repeated_block(path, containers))}
 
 
 def _is_random(node: fx.Node) -> bool:
@@ -196,8 +139,8 @@ class _Policy:
 
         self.boundary = {node for node, block in self.block_of.items() if leaves_block(node, block)}
         for node in list(self.boundary):  # a view leaving a block is recomputed: keep its base
-            while is_view(node) and isinstance(node.args[0], fx.Node):
-                node = producer(node.args[0])
+            while is_view(node) and isinstance(first_arg(node), fx.Node):
+                node = producer(first_arg(node))
                 self.boundary.add(node)
         self.needed = [node for node in forward if any(user in backward for user in node.users)]
         self.costs = costs
@@ -272,8 +215,8 @@ def _budget_levels(policy: _Policy, budget_bytes: int) -> tuple[dict[str, Level]
 
 def _group_costs(graph: fx.Graph) -> Costs:
     for node in graph.nodes:
-        if is_op(node, compshard_ops.unshard.default) and node.args[3]:
-            return costs_for(node.args[3])
+        if is_op(node, compshard_ops.unshard.default) and unshard_args(node).group_name:
+            return costs_for(unshard_args(node).group_name)
     return Costs()
 
 
@@ -286,55 +229,27 @@ def _tag(plan: _Plan, save_outside_inputs: bool) -> None:
         producer(node).meta.setdefault("recompute", CheckpointPolicy.MUST_SAVE)
 
 
-def recompute(gm: fx.GraphModule, ctx: PassContext) -> None:
+def recompute(graph: fx.Graph, ctx: PassContext) -> RecomputePlan:
     option = ctx.options.recompute
     if option == "none":
-        return
-    graph = gm.graph
+        return RecomputePlan("none")
     backward = backward_nodes(graph)
     forward = [n for n in graph.nodes if n.op == "call_function" and n not in backward]
     policy = _Policy(forward, backward, _group_costs(graph))
     if isinstance(option, Mapping):
-        budget_bytes = int(option["budget_mb"] * MB)
+        budget_bytes = int(option["budget_mb"] * MiB)
         levels, plan = _budget_levels(policy, budget_bytes)
-        note = RecomputeNote("budget", budget_bytes=budget_bytes, fits=plan.saved_bytes <= budget_bytes)
-        if not note.fits:
+        fits = plan.saved_bytes <= budget_bytes
+        if not fits:
             warn(f"compshard: recompute budget_mb={option['budget_mb']} (MiB) cannot be met: the least this graph "
-                 f"saves is {plan.saved_bytes / MB:.3f} MiB of activations per rank (blocks: "
+                 f"saves is {plan.saved_bytes / MiB:.3f} MiB of activations per rank (blocks: "
                  f"{', '.join(level.name.lower() for level in levels.values()) or 'none found'}); using that")
+        policy_name = "budget"
     else:
         levels = {block: Level[option.upper()] for block in policy.blocks}
         plan = policy.plan(levels, None)
-        note = RecomputeNote(option)
+        budget_bytes, fits, policy_name = None, True, option
     _tag(plan, save_outside_inputs=not isinstance(option, Mapping))
-    note.planned_bytes, note.recompute_seconds = plan.saved_bytes, plan.recompute_seconds
-    note.levels = {block: level.name.lower() for block, level in levels.items()}
-    ctx.shared["recompute"] = note
-
-
-def record_saved(forward: fx.GraphModule, backward: fx.GraphModule, shared: dict) -> None:
-    """After the partition: bytes the forward saves for the backward, by kind, into the
-    note (a note for ``"none"`` is made here). Saved values are the backward's inputs
-    other than tangents; each has the name of the forward node that produced it."""
-    produced = {node.name: node for node in forward.graph.nodes}
-    gathered = {member for node in forward.graph.nodes if is_op(node, compshard_ops.unshard.default)
-                for member in gathered_chain(node)}
-    saved = {"activations": 0, "gathered params": 0, "inputs": 0}
-    counted = set()  # storages: a value and its views saved together count once
-    for node in backward.graph.find_nodes(op="placeholder"):
-        source = produced.get(node.name)
-        if node.name.startswith("tangents") or source is None or not isinstance(source.meta.get("val"), torch.Tensor):
-            continue
-        storage = StorageWeakRef(source.meta["val"].untyped_storage())
-        if storage in counted:
-            continue
-        counted.add(storage)
-        if source.op == "placeholder":
-            kind = "inputs"
-        elif source in gathered:
-            kind = "gathered params"
-        else:
-            kind = "activations"
-        saved[kind] += source.meta["val"].untyped_storage().nbytes()
-    note = shared.setdefault("recompute", RecomputeNote("none"))
-    note.saved = saved
+    return RecomputePlan(policy_name, budget_bytes=budget_bytes, planned_bytes=plan.saved_bytes,
+                         recompute_seconds=plan.recompute_seconds, fits=fits,
+                         levels={block: level.name.lower() for block, level in levels.items()})

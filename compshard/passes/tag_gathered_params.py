@@ -1,7 +1,8 @@
 """Joint-graph pass: decide, per parameter, whether its gathered value is saved for backward.
 
-A parameter whose bucket is not ``keep_gathered`` (see ``assign_buckets``: every bucket
-but the one used last in forward, with ``reshard_after_forward=True``) has the whole
+Takes the bucket plan. A parameter whose bucket is not ``keep_gathered`` (see
+``assign_buckets``: every bucket but the one used last in forward, with
+``reshard_after_forward=True``) has the whole
 chain from the shard to its compute users (``unshard`` and the views and dtype casts
 applied to its result, and an offloaded shard's copy to the GPU) tagged
 ``MUST_RECOMPUTE``, so the partitioner saves only the shard (a graph input) and the
@@ -16,23 +17,24 @@ from __future__ import annotations
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compshard.compile_plan import BucketPlan
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aten, compshard_ops, gathered_chain, is_op
+from compshard.passes.fx_utils import aten, compshard_ops, gathered_chain, is_op, unshard_args
 
 
-def offload_copies(unshard: fx.Node) -> list[fx.Node]:
+def _offload_copies(unshard: fx.Node) -> list[fx.Node]:
     """The copy of an offloaded shard to the GPU feeding ``unshard`` (``offload=True``):
     recomputed in backward like the gather, so no GPU copy of a shard is saved."""
-    shard = unshard.args[0]
+    shard = unshard_args(unshard).shard
     return [shard] if is_op(shard, aten._to_copy.default) else []
 
 
-def tag_gathered_params(gm: fx.GraphModule, ctx: PassContext) -> None:
-    for node in gm.graph.nodes:
+def tag_gathered_params(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> None:
+    for node in graph.nodes:
         if not is_op(node, compshard_ops.unshard.default):
             continue
-        if not ctx.shared["bucket_of"][node.args[4]].keep_gathered:
-            for member in gathered_chain(node) + offload_copies(node):
+        if not buckets.bucket_of(unshard_args(node).param).keep_gathered:
+            for member in gathered_chain(node) + _offload_copies(node):
                 member.meta["recompute"] = CheckpointPolicy.MUST_RECOMPUTE
         else:
             node.meta["recompute"] = CheckpointPolicy.MUST_SAVE

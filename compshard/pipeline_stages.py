@@ -1,4 +1,5 @@
-"""Partition pass: cut a model's captured forward into ``K`` contiguous pipeline stages.
+"""Pipeline stages: cut a model's captured forward into ``K`` contiguous stages (for
+:func:`compshard.pipeline`; not part of the backend's pass pipeline).
 
 Before: an ``nn.Module`` and one micro-batch of its positional inputs.
 After: a :class:`Partition` — ``K`` contiguous runs of the forward's ATen ops, chosen so

@@ -1,0 +1,230 @@
+"""The compiler's decisions as values: per compile, per graph and per node.
+
+A compile is one Dynamo graph (one call of the backend; a graph break or a recompile
+makes another). Its :class:`CompilePlan` starts empty; each planning step of the pass
+pipeline returns one typed part of it (the buckets, the recompute policy, a graph's
+coalescing and prefetch, its estimated peak and schedule fingerprint), the pipeline runner
+(``compshard.passes.run_passes``) puts it in a new plan, and the steps after it take it as
+an argument. Nothing is shared between passes except through these values. Every plan is
+frozen: a step that refines one returns a new one (``dataclasses.replace``).
+
+Nodes the passes insert (collectives, waits, frees, pack and unpack) and every node the
+estimates priced carry one :class:`NodeMeta` under ``node.meta["compshard"]``; read it
+with :func:`node_meta`, write it with :func:`set_node_meta`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterator, Literal
+
+__all__ = ["GraphKind", "Bucket", "BucketPlan", "Coalescing", "Prefetch", "RecomputePlan", "GraphPlan",
+           "CompilePlan", "NodeMeta", "node_meta", "set_node_meta", "ScheduleError", "COLLECTIVE_KINDS", "MiB"]
+
+MiB = 2**20  # the unit of the ``*_mb`` options and of every size compshard reports
+
+GraphKind = Literal["dynamo", "joint", "forward", "backward", "inference"]
+COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the kinds of collective starts
+
+
+class ScheduleError(RuntimeError):
+    """A compiled schedule is invalid or differs between ranks."""
+
+
+# ---------------------------------------------------------------------- per compile
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Parameters gathered, reduce-scattered and freed as one piece (see ``assign_buckets``)."""
+
+    index: int
+    name: str
+    params: tuple[str, ...]
+    nbytes: int  # gathered bytes of all its parameters (padded)
+    keep_gathered: bool = False  # gathered once, held from forward into backward
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """The buckets of one compile, in order of first use; the same on every rank."""
+
+    buckets: tuple[Bucket, ...]
+    _of: dict[str, Bucket] = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_of", {param: bucket for bucket in self.buckets for param in bucket.params})
+
+    def bucket_of(self, param: str) -> Bucket:
+        """The bucket holding parameter ``param`` (its canonical name)."""
+        return self._of[param]
+
+    def __iter__(self) -> Iterator[Bucket]:
+        return iter(self.buckets)
+
+    def __len__(self) -> int:
+        return len(self.buckets)
+
+
+@dataclass(frozen=True)
+class RecomputePlan:
+    """The activation recompute policy (``recompute`` pass) and, once the joint graph is
+    partitioned, what the forward really saves for the backward.
+
+    ``planned_bytes``: activations the plan saves (budget mode: the figure the budget is
+    checked against; other policies: the tagged blocks only). ``levels``: block ->
+    ``"save"``, ``"selective"`` or ``"full"``. ``saved``: after the partition, bytes
+    saved for backward by kind: ``"activations"``, ``"gathered params"`` (kept
+    ``unshard`` outputs) and ``"inputs"`` (graph inputs: shards, buffers, the batch).
+    The dicts are not to be changed.
+    """
+
+    policy: str
+    budget_bytes: int | None = None
+    planned_bytes: int = 0
+    recompute_seconds: float = 0.0
+    fits: bool = True
+    levels: dict[str, str] = field(default_factory=dict)
+    saved: dict[str, int] = field(default_factory=dict)
+
+    def blocks_summary(self) -> str:
+        """How many blocks are at each level (``"1 full, 1 save"``)."""
+        levels = list(self.levels.values())
+        return ", ".join(f"{levels.count(level)} {level}" for level in dict.fromkeys(levels))
+
+    def describe(self) -> str:
+        parts = [f"recompute {self.policy}"]
+        if self.policy != "none":
+            parts[0] += f" (blocks: {self.blocks_summary()})" if self.levels else " (no repeated blocks: nothing tagged)"
+        if self.saved:
+            parts.append("saved for backward: "
+                         + ", ".join(f"{kind} {n / MiB:.3f} MiB" for kind, n in self.saved.items()))
+        if self.budget_bytes is not None:
+            verdict = "fits" if self.fits else "does NOT fit (no further recompute frees bytes)"
+            parts.append(f"budget {self.budget_bytes / MiB:.3f} MiB, planned {self.planned_bytes / MiB:.3f} MiB: "
+                         f"{verdict}")
+        return "; ".join(parts)
+
+
+# ------------------------------------------------------------------------ per graph
+
+
+@dataclass(frozen=True)
+class Coalescing:
+    """Which buckets share one collective: per collective kind, the bucket names of each
+    collective in the order they are needed (``coalesce_collectives``). ``None`` for a
+    kind not planned (no coalescing: one collective per bucket); a bucket listed in no
+    collective has one of its own."""
+
+    all_gather: tuple[tuple[str, ...], ...] | None = None
+    reduce_scatter: tuple[tuple[str, ...], ...] | None = None
+
+    def collectives(self, kind: str) -> tuple[tuple[str, ...], ...]:
+        return getattr(self, kind) or ()
+
+    def as_dict(self) -> dict[str, list[list[str]]]:
+        """The planned kinds as JSON-ready lists (the logs' and the decisions' form)."""
+        return {kind: [list(names) for names in groups] for kind in ("all_gather", "reduce_scatter")
+                if (groups := getattr(self, kind)) is not None}
+
+
+@dataclass(frozen=True)
+class Prefetch:
+    """Per bucket, across how many other all-gathers' uses its all-gather runs (0: started
+    at its wait), in the order of the gathers (``prefetch``)."""
+
+    distances: tuple[tuple[str, int], ...] = ()
+
+    def as_dict(self) -> dict[str, int]:
+        return dict(self.distances)
+
+
+@dataclass(frozen=True)
+class GraphPlan:
+    """The decisions and estimates of one graph's pipeline. ``pass_seconds``: (step name,
+    wall seconds) in pipeline order."""
+
+    kind: GraphKind
+    coalescing: Coalescing | None = None
+    prefetch: Prefetch | None = None
+    peak_bytes: int | None = None  # estimated peak bytes the graph allocates (``estimate_memory``)
+    fingerprint: str | None = None  # the schedule's, the same on every rank (``check_schedule``)
+    pass_seconds: tuple[tuple[str, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class CompilePlan:
+    """Everything decided for one Dynamo graph: the plans its joint graph makes (buckets,
+    recompute), what the partition saves for backward, and one :class:`GraphPlan` per
+    graph its pipelines ran on (dynamo, joint, forward, backward or inference), in order.
+    ``number`` tells compiles apart (0, 1, ... in this process)."""
+
+    number: int
+    buckets: BucketPlan | None = None
+    recompute: RecomputePlan | None = None
+    saved_count: int | None = None  # forward outputs the backward takes (set at the partition)
+    graphs: tuple[GraphPlan, ...] = ()
+
+    def graph(self, kind: GraphKind) -> GraphPlan | None:
+        """The plan of this compile's graph of ``kind`` (None before it is compiled)."""
+        return next((g for g in self.graphs if g.kind == kind), None)
+
+
+# ------------------------------------------------------------------------- per node
+
+
+@dataclass(frozen=True)
+class NodeMeta:
+    """What compshard records on one FX node (``node.meta["compshard"]``).
+
+    Scheduled nodes (inserted by the lowering and free passes) have a ``kind``:
+    ``all_gather`` / ``reduce_scatter`` / ``all_reduce`` (collective starts), ``wait``,
+    ``free``, ``pack`` (shard or gradient -> send buffer), ``unpack`` (received buffer ->
+    tensor); the program's own nodes have none. ``params``: the parameters it works on;
+    ``bytes``: the same on every rank (padded, full-buffer sizes), so it enters the
+    schedule fingerprint; ``collective`` links a start, its wait and the pack and unpack
+    nodes around it; ``buckets``: the buckets of a bucketed collective; ``gathered``: a
+    gathered buffer or a bucket's unpacked parameters (freed by ``insert_free``);
+    ``freed``: for a free, ``"buffer"`` or ``"params"``.
+
+    Estimates: ``seconds`` (``estimate_costs``), ``agreed_seconds`` (the ranks' largest,
+    ``agree_shapes``), ``live_bytes`` after the node (``estimate_memory``);
+    ``stashed_val``: this rank's own ``meta["val"]`` while ``agree_shapes`` holds a stand-in.
+    """
+
+    kind: str | None = None
+    params: tuple[str, ...] = ()
+    bytes: int = 0
+    collective: str | None = None
+    buckets: tuple[str, ...] = ()
+    gathered: bool = False
+    freed: str | None = None
+    seconds: float | None = None
+    agreed_seconds: float | None = None
+    live_bytes: int | None = None
+    stashed_val: Any = None
+
+    @property
+    def unit(self) -> str:
+        """The module owning the first parameter (``""`` without parameters)."""
+        return self.params[0].rpartition(".")[0] if self.params else ""
+
+    @property
+    def bucket(self) -> str:
+        """The bucket names joined by ``+`` (``""``: not a bucketed collective)."""
+        return "+".join(self.buckets)
+
+
+META_KEY = "compshard"
+_NO_META = NodeMeta()
+
+
+def node_meta(node: Any) -> NodeMeta:
+    """The :class:`NodeMeta` of an FX node (an empty one where compshard recorded nothing)."""
+    return node.meta.get(META_KEY, _NO_META)
+
+
+def set_node_meta(node: Any, **changes: Any) -> NodeMeta:
+    """Record ``changes`` in ``node``'s :class:`NodeMeta`; return the new one."""
+    meta = node.meta[META_KEY] = replace(node_meta(node), **changes)
+    return meta
