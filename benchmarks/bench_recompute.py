@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cli import add_workload_arguments, make_parser
+from cli import add_workload_arguments, make_parser, parse_workload_arguments
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
@@ -43,7 +43,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="budget (MiB) of the budget policy; None: half-way between full and none")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "recompute.json",
                         help="JSON file to write")
-    args = parser.parse_args(argv)
+    args = parse_workload_arguments(parser, argv)
     if min(args.steps, args.warmup, args.batch, args.layers) < 1:
         parser.error("--steps, --warmup, --batch and --layers must be at least 1")
     if args.budget_mb is not None and args.budget_mb < 0:

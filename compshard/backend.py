@@ -11,7 +11,8 @@ the backward's (or the inference graph's), each returning the next plan.
 
 Execution: ``codegen="fx"`` (default) runs each scheduled graph as generated Python with
 the boxed calling convention, so inputs and intermediates are released after their last
-use; ``codegen="inductor"`` compiles the scheduled graphs with Inductor.
+use; ``codegen="inductor"`` compiles the compute between compshard's scheduled nodes with
+Inductor and runs those nodes where the passes put them (:mod:`compshard.inductor_regions`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ class CompiledGraph:
     kind: GraphKind
     gm: fx.GraphModule
     plan: CompilePlan
+    codegen: str  # how it runs: "fx", or "inductor (N compiled regions)"
 
     @property
     def graph_plan(self) -> GraphPlan:
@@ -64,19 +66,21 @@ def record_compiles() -> Iterator[list[CompiledGraph]]:
         _recordings.pop(next(i for i, r in enumerate(_recordings) if r is recorded))
 
 
-def _executor(gm: fx.GraphModule, example_inputs: Sequence[Any], options: CompileOptions, kind: str) -> Callable:
+def _executor(gm: fx.GraphModule, options: CompileOptions, kind: GraphKind) -> tuple[Callable, str]:
+    """The boxed callable that runs the scheduled ``gm``, and how it runs (for inspect)."""
     if options.codegen == "inductor":
-        from torch._inductor.compile_fx import compile_fx_inner
+        from compshard.inductor_regions import compile_regions
 
-        return compile_fx_inner(gm, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference")
+        run, regions = compile_regions(gm, kind)
+        return run, f"inductor ({regions} compiled region{'s' if regions != 1 else ''})"
     boxed_codegen = getattr(fx.graph, "_BoxedCodeGen", None)
     if boxed_codegen is not None:
         gm.graph.set_codegen(boxed_codegen())
         gm.recompile()  # GraphModule._boxed_call now reports the boxed convention to AOTAutograd
-        return gm
+        return gm, "fx"
     from torch._functorch.aot_autograd import make_boxed_func
 
-    return make_boxed_func(gm.forward)
+    return make_boxed_func(gm.forward), "fx"
 
 
 def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
@@ -92,15 +96,16 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         return forward, backward
 
     def graph_compiler(kind: GraphKind) -> Callable:
-        def compile_graph(graph_module: fx.GraphModule, graph_inputs: Sequence[Any]) -> Callable:
+        def compile_graph(graph_module: fx.GraphModule, graph_inputs: Sequence[Any]) -> Callable:  # noqa: ARG001
             nonlocal plan
             plan = run_passes(graph_module, PassContext(opts, kind), plan)
             if kind == "inference":  # no joint graph: its passes made the bucket plan
                 logs.log_plan(plan)
             logs.log_schedule(graph_module, plan.graphs[-1])
+            executor, codegen = _executor(graph_module, opts, kind)
             for recorded in _recordings:
-                recorded.append(CompiledGraph(kind, graph_module, plan))
-            return _executor(graph_module, graph_inputs, opts, kind)
+                recorded.append(CompiledGraph(kind, graph_module, plan, codegen))
+            return executor
 
         return compile_graph
 

@@ -70,6 +70,9 @@ class Report:
             sizes, dtypes, offload), shown first in ``str(report)``.
         pass_seconds: graph name (also ``"dynamo"`` and ``"joint"``, with the plan suffix
             when there are several plans) -> pass name -> wall seconds that pass took.
+        codegen: graph name -> how the scheduled graph runs: ``"fx"``, or ``"inductor (N
+            compiled regions)"`` (the compute between scheduled nodes, compiled by
+            Inductor; see :mod:`compshard.inductor_regions`).
     """
 
     def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None,
@@ -90,12 +93,14 @@ class Report:
         self.graphs: dict[str, fx.GraphModule] = {}
         self.fingerprints: dict[str, str | None] = {}
         self.peak_bytes: dict[str, int | None] = {}
+        self.codegen: dict[str, str] = {}
         for graph in compiled:
             graph_name = name(graph.kind, index[graph.plan.number])
             self._plan_of[graph_name] = index[graph.plan.number]
             self.graphs[graph_name] = graph.gm
             self.fingerprints[graph_name] = graph.graph_plan.fingerprint
             self.peak_bytes[graph_name] = graph.graph_plan.peak_bytes
+            self.codegen[graph_name] = graph.codegen
         self.timelines: dict[str, Timeline] = {kind: simulate(gm.graph) for kind, gm in self.graphs.items()}
         self.recompute: RecomputePlan | None = next((p.recompute for p in self.plans if p.recompute), None)
         self.pass_seconds = {name(g.kind, i): dict(g.pass_seconds) for i, plan in enumerate(self.plans)
@@ -191,7 +196,8 @@ class Report:
                           "prefetch (gathers ahead)"]
         summary = [
             [kind, f"{t.total * 1e3:.3f}", f"{(t.total - t.exposed_comm) * 1e3:.3f}", f"{t.comm * 1e3:.3f}",
-             f"{t.exposed_comm * 1e3:.3f}", format_mib(self.peak_bytes[kind] or 0), self.fingerprints[kind]]
+             f"{t.exposed_comm * 1e3:.3f}", format_mib(self.peak_bytes[kind] or 0), self.fingerprints[kind],
+             self.codegen[kind]]
             for kind, t in self.timelines.items()
         ]
         sharding = [] if self.config is None else [
@@ -205,7 +211,7 @@ class Report:
             tabulate(table, headers=headers),
             tabulate(buckets, headers=bucket_headers) if buckets else "no buckets (one rank: nothing to gather)",
             tabulate(summary, headers=["graph", "est ms", "compute ms", "comm ms", "exposed comm ms", "peak live",
-                                       "fingerprint"]),
+                                       "fingerprint", "codegen"]),
             *recompute,
         ])
 

@@ -2,7 +2,9 @@
 
 Each model trains ``STEPS`` AdamW steps in fp32 on gloo, each rank on its own rows of one
 global batch, twice: compiled (``torch.compile(model, backend="compshard")``) and
-uncompiled (the sharded module run eagerly). Both are compared with single-process eager
+uncompiled (the sharded module run eagerly); the models of the ``inductor`` group also
+compiled with ``options={"codegen": "inductor"}`` (Inductor's C++ compile is slow on
+CPU, so only a few). Both are compared with single-process eager
 training of the unsharded model on the global batch: every step's loss and every entry of
 the final ``state_dict`` (parameters and buffers), within ``RTOL`` norm-wise.
 
@@ -65,6 +67,7 @@ OPTIMIZER = dict(ADAMW, eps=1e-4)
 FLOOR = 1e-3
 WORLD_SIZE = 2
 MODES = ("compiled", "eager")
+CODEGEN = {"compiled": "fx", "inductor": "inductor"}  # compiled modes: their codegen option
 ROUTED = "mixtral-eager-experts"  # experts looped over in Python: collectives may follow the data
 UNEQUAL = ("repo-gpt", "llama")  # trained compiled on local batches of 3 and 2 rows
 UNEQUAL_ROWS = (3, 2)
@@ -89,8 +92,10 @@ GROUPS: dict[str, Group] = {
     # never joins; after that the gloo pairs are unusable, so each mode gets its own spawn.
     "routed-compiled": Group((ROUTED,), 45, 180, ("compiled",)),
     "routed-eager": Group((ROUTED,), 45, 180, ("eager",)),
+    # a transformer, and an in-place op on an activation inside an Inductor region
+    "inductor": Group(("llama", "inplace-mul"), 60, 600, ("inductor",)),
 }
-GROUP_OF = {name: group for group, spec in GROUPS.items() for name in spec.models if name != ROUTED}
+GROUP_OF = {name: group for group, spec in GROUPS.items() for name in spec.models if spec.modes == MODES}
 BATCH_NORM = tuple(name for name in GROUP_OF if ZOO[name].batch_norm)
 ROUTED_GROUP = {mode: f"routed-{mode}" for mode in MODES}
 # how far apart (s) the ranks may raise one error for it to count as raised together
@@ -169,10 +174,12 @@ def train_reference(spec: RealModel, model: nn.Module, batch: tuple[torch.Tensor
 
 
 def train_sharded(spec: RealModel, pristine: nn.Module, batch: tuple[torch.Tensor, ...], rows: tuple[int, ...],
-                  rank: int, *, compiled: bool) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Shard a copy, train it on this rank's rows; global losses and the full state."""
+                  rank: int, *, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Shard a copy, train it on this rank's rows (``mode``: "eager", or a key of
+    ``CODEGEN``); global losses and the full state."""
     model = compshard.shard(copy.deepcopy(pristine))
-    step_model: Callable = torch.compile(model, backend="compshard") if compiled else model
+    step_model: Callable = model if mode == "eager" else torch.compile(
+        model, backend="compshard", options={"codegen": CODEGEN[mode]})
     opt = adamw(model)
     local, weight = _split(batch, rows)[rank], _weights(spec, rows)[rank]
     losses = []
@@ -277,7 +284,7 @@ def group_worker(rank: int, world_size: int, group: str, out_dir: str) -> dict:
             holder: dict = {}
 
             def run(mode=mode, holder=holder):
-                losses, state = train_sharded(spec, pristine, batch, rows, rank, compiled=mode == "compiled")
+                losses, state = train_sharded(spec, pristine, batch, rows, rank, mode=mode)
                 holder["state"] = state
                 return _compare(losses, expected_losses, state, expected_states[rank])
 
@@ -298,7 +305,7 @@ def group_worker(rank: int, world_size: int, group: str, out_dir: str) -> dict:
             torch._dynamo.reset()
 
             def run_unequal(spec=spec, pristine=pristine, batch=batch, expected=(expected_losses, expected_states)):
-                losses, state = train_sharded(spec, pristine, batch, UNEQUAL_ROWS, rank, compiled=True)
+                losses, state = train_sharded(spec, pristine, batch, UNEQUAL_ROWS, rank, mode="compiled")
                 return _compare(losses, expected[0], state, expected[1][rank])
 
             results["unequal"][name] = _attempt(run_unequal)
@@ -352,6 +359,12 @@ PARITY_CASES = [(name, mode) for name in GROUP_OF for mode in MODES]
 @pytest.mark.parametrize(("name", "mode"), PARITY_CASES, ids=[f"{n}-{m}" for n, m in PARITY_CASES])
 def test_trains_like_single_process_eager(name, mode):
     for rank, got in enumerate(_get(GROUP_OF[name], "parity", (name, mode))):
+        _assert_parity(rank, got)
+
+
+@pytest.mark.parametrize("name", GROUPS["inductor"].models)
+def test_inductor_codegen_trains_like_single_process_eager(name):
+    for rank, got in enumerate(_get("inductor", "parity", (name, "inductor"))):
         _assert_parity(rank, got)
 
 

@@ -6,8 +6,8 @@ reference.
 After: a ``compshard::free(value)`` node directly after the last user of any alias of
 each one, releasing its storage at that point even if something else still holds a
 reference. A value with an alias among the graph outputs is left alone: it is saved for
-backward (a kept bucket) and autograd releases it after use. Frees are not inserted for
-Inductor codegen, which plans buffer lifetimes itself.
+backward (a kept bucket) and autograd releases it after use. Both codegens run the
+frees (Inductor compiles only the compute between scheduled nodes).
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from compshard.passes.fx_utils import aliases, compshard_ops, emit, escapes, gat
 
 
 def insert_free(graph: fx.Graph, ctx: PassContext) -> None:
-    if ctx.options.codegen == "inductor":
-        return
     order = node_order(graph)
     for buffer in gathered_buffers(graph):
         if escapes(buffer):
