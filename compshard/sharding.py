@@ -36,6 +36,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from compshard import cost_model, eager_gather, ops
 from compshard.grad_sync import GradSync
+from compshard.module_tree import repeated_block, repeated_containers
 
 __all__ = ["shard", "sharding_config", "ShardingConfig", "ParamSpec", "param_specs", "is_sharded", "plain_class",
            "STRATEGIES"]
@@ -353,9 +354,7 @@ def shard(
         sub._compshard_specs = specs
         sub._compshard_grad_sync = grad_sync
         _install_properties(sub, names)
-        # The root's hooks would run outside its compiled forward, as graphs of their own.
-        if sub is not module and eager_gather.needs_call_scope(sub):
-            eager_gather.install_call_scope(sub, _unshard)
+    _install_gather_units(module)
     if buffer_dtype is not None:
         for sub in module.modules():
             for name, buffer in sub._buffers.items():
@@ -368,6 +367,35 @@ def shard(
     module._compshard_grad_sync = grad_sync
     _install_casts(module, config)
     return module
+
+
+def _install_gather_units(root: nn.Module) -> None:
+    """Give every sharded parameter its gather unit (:mod:`compshard.eager_gather`): the
+    outermost repeated block it lies in, covering every parameter beneath the block; else
+    its own module, unless that is a torch.nn layer that reads each parameter once (a
+    gather at the read is the gather at entry) or the root (whose hooks would run outside
+    its compiled forward, as graphs of their own)."""
+    owners: dict[int, tuple[str, nn.Module]] = {}
+    for prefix, sub in root.named_modules(remove_duplicate=False):
+        if hasattr(sub, "_compshard_specs"):
+            owners.setdefault(id(sub), (prefix, sub))
+    containers = repeated_containers(prefix for prefix, _ in owners.values())
+    units: dict[int, tuple[nn.Module, dict[str, tuple[nn.Module, str]]]] = {}
+    for prefix, sub in owners.values():
+        block = repeated_block(prefix, containers)
+        if block is not None:
+            unit = root.get_submodule(block)
+        elif sub is not root and eager_gather.needs_call_scope(sub):
+            unit = sub
+        else:
+            continue
+        members = units.setdefault(id(unit), (unit, {}))[1]
+        for name, spec in sub._compshard_specs.items():
+            members.setdefault(spec.fqn, (sub, name))
+    for unit, members in units.values():
+        if all(module is unit for module, _ in members.values()) and not eager_gather.needs_call_scope(unit):
+            continue  # a block that is one torch.nn layer: it reads each parameter once anyway
+        eager_gather.install_call_scope(unit, list(members.values()), _unshard)
 
 
 _BROADCAST_BUCKET_BYTES = 256 * 2**20

@@ -123,3 +123,81 @@ def test_data_dependent_reads_and_different_initializations_train_as_eager():
     for result in results:
         errors = {key: value for key, value in result.items() if key.endswith(("weight", "bias"))}
         assert max(errors.values()) < 1e-5, errors
+
+
+class ExpertMLP(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.up, self.down = nn.Linear(width, 2 * width), nn.Linear(2 * width, width)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down(torch.nn.functional.gelu(self.up(x)))
+
+
+class MoEBlock(nn.Module):
+    """Experts as separate modules in a ModuleList, called only for the experts the data
+    routes to (the older transformers MoE layout, and most hand-written MoE code): a rank
+    whose tokens skip an expert never calls it."""
+
+    def __init__(self, experts: int = 4, width: int = 8) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.router = nn.Linear(width, experts)
+        self.experts = nn.ModuleList(ExpertMLP(width) for _ in range(experts))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        choice = self.router(h).argmax(-1)
+        out = torch.zeros_like(h)
+        for expert in choice.unique().tolist():  # data-dependent: which expert modules run
+            rows = choice == expert
+            out[rows] = self.experts[expert](h[rows])
+        return x + out * self.router(h).softmax(-1).amax(-1, keepdim=True)
+
+
+class ModuleListMoE(nn.Module):
+    def __init__(self, blocks: int = 2, width: int = 8) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(MoEBlock(width=width) for _ in range(blocks))
+        self.head = nn.Linear(width, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x).pow(2).mean()
+
+
+def _expert_modules_worker(rank: int, world_size: int) -> dict:
+    torch.manual_seed(0)
+    reference = ModuleListMoE()
+    torch.manual_seed(3)
+    data = torch.randn(world_size, 5, 8) * 2
+    hit = [sorted(block.router(block.norm(data[rank])).argmax(-1).unique().tolist()) for block in reference.blocks]
+    results = {}
+    for compiled in (False, True):
+        sharded = compshard.shard(copy.deepcopy(reference))
+        step = torch.compile(sharded, backend="compshard") if compiled else sharded
+        opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+        for _ in range(3):
+            step(data[rank]).backward()
+            opt.step()
+            opt.zero_grad()
+        results[compiled] = compshard.full_state_dict(sharded)
+    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
+    for _ in range(3):
+        (sum(reference(d) for d in data) / world_size).backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    return {"hit": hit, **{f"{'compiled' if c else 'eager'} {key}": relative_error(value, reference.state_dict()[key])
+                           for c, state in results.items() for key, value in state.items()}}
+
+
+def test_expert_modules_called_on_some_ranks_only_train_as_eager():
+    """Each block gathers every parameter beneath it on entry (as FSDP2 does per wrapped
+    block), so an expert module one rank skips is gathered, and its gradient reduced, on
+    every rank: the same collectives in the same order."""
+    results = run_distributed(_expert_modules_worker, 2, timeout=240, pg_timeout=60)
+    assert results[0]["hit"] != results[1]["hit"], "the ranks must route to different experts"
+    for result in results:
+        errors = {key: value for key, value in result.items() if key != "hit"}
+        assert max(errors.values()) < 1e-5, errors

@@ -37,10 +37,8 @@ from torch import fx
 from compshard.compile_plan import Bucket, BucketPlan, MiB
 from compshard.ops import ShardLayout
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import (
-    backward_nodes, compshard_ops, gathered_chain, is_op, module_of, node_order, repeated_block, repeated_containers,
-    unshard_args,
-)
+from compshard.module_tree import module_of, repeated_block, repeated_containers
+from compshard.passes.fx_utils import backward_nodes, compshard_ops, gathered_chain, is_op, node_order, unshard_args
 
 
 @dataclass(frozen=True)

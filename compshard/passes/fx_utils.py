@@ -20,6 +20,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from compshard.compile_plan import (
     COLLECTIVE_KINDS, META_KEY, Bucket, BucketPlan, Coalescing, NodeMeta, node_meta, set_node_meta,
 )
+from compshard.module_tree import repeated_block, repeated_containers
 from compshard.ops import ReduceGradArgs, UnshardArgs
 
 aten = torch.ops.aten
@@ -308,30 +309,6 @@ def collective_members(markers: list[fx.Node], buckets: BucketPlan, coalescing: 
 
 
 # --------------------------------------------------------------------- module tree
-
-
-def module_of(param: str) -> str:
-    """The module path of a parameter name (``blocks.0.attn`` for ``blocks.0.attn.weight``)."""
-    return param.rpartition(".")[0]
-
-
-def repeated_block(module: str, containers: set[str]) -> str | None:
-    """The outermost repeated block (``blocks.3``) that module path ``module`` lies in."""
-    parts = module.split(".")
-    for i in range(1, len(parts)):
-        if parts[i].isdigit() and ".".join(parts[:i]) in containers:
-            return ".".join(parts[: i + 1])
-    return None
-
-
-def repeated_containers(modules: Iterable[str]) -> set[str]:
-    """Module paths with at least two numbered children among ``modules`` (``blocks``)."""
-    children: dict[str, set[str]] = {}
-    for module in modules:
-        for match in re.finditer(r"\.(\d+)(?=\.)", "." + module + "."):
-            prefix = ("." + module)[: match.start()].lstrip(".")
-            children.setdefault(prefix, set()).add(match.group(1))
-    return {prefix for prefix, numbers in children.items() if len(numbers) >= 2}
 
 
 def _module_path(node: fx.Node) -> str | None:
