@@ -25,7 +25,7 @@ from typing import Any, Callable, Iterator, Sequence
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 
-from compshard import logs
+from compshard import logs, rank_exchange
 from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan
 from compshard.options import CompileOptions
 from compshard.passes import PassContext, run_passes
@@ -72,15 +72,29 @@ def _executor(gm: fx.GraphModule, options: CompileOptions, kind: GraphKind) -> t
         from compshard.inductor_regions import compile_regions
 
         run, regions = compile_regions(gm, kind)
-        return run, f"inductor ({regions} compiled region{'s' if regions != 1 else ''})"
+        return _reporting_stopped_ranks(run), f"inductor ({regions} compiled region{'s' if regions != 1 else ''})"
     boxed_codegen = getattr(fx.graph, "_BoxedCodeGen", None)
     if boxed_codegen is not None:
         gm.graph.set_codegen(boxed_codegen())
-        gm.recompile()  # GraphModule._boxed_call now reports the boxed convention to AOTAutograd
-        return gm, "fx"
+        gm.recompile()  # GraphModule._boxed_call: gm takes its inputs as one list it may clear
+        return _reporting_stopped_ranks(gm), "fx"
     from torch._functorch.aot_autograd import make_boxed_func
 
-    return make_boxed_func(gm.forward), "fx"
+    return _reporting_stopped_ranks(make_boxed_func(gm.forward)), "fx"
+
+
+def _reporting_stopped_ranks(run: Callable) -> Callable:
+    """``run`` (boxed); a failure while a rank has stopped at a compile-time check (a
+    collective whose partner exited) raises that rank's ``ScheduleError`` here too."""
+    def run_graph(args: list) -> Any:
+        try:
+            return run(args)
+        except RuntimeError as error:
+            rank_exchange.raise_if_a_rank_stopped(error)
+            raise
+
+    run_graph._boxed_call = True  # type: ignore[attr-defined]
+    return run_graph
 
 
 def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:

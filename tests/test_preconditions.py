@@ -201,3 +201,37 @@ def test_expert_modules_called_on_some_ranks_only_train_as_eager():
     for result in results:
         errors = {key: value for key, value in result.items() if key != "hit"}
         assert max(errors.values()) < 1e-5, errors
+
+
+def _partial_recompile_worker(rank: int, world_size: int) -> dict:
+    import datetime
+    import time
+
+    from compshard import rank_exchange
+
+    rank_exchange.STORE_TIMEOUT = datetime.timedelta(seconds=5)  # the default waits 5 minutes
+    torch.manual_seed(0)
+    model = compshard.shard(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1)))
+    step = torch.compile(model, backend="compshard")
+    step(torch.randn(4, 8)).sum().backward()
+    rows = 2 if rank == 1 else 4  # a smaller last batch on rank 1 only: rank 1 alone recompiles
+    started = time.monotonic()
+    try:
+        step(torch.randn(rows, 8)).sum().backward()
+    except Exception as error:  # noqa: BLE001 - what each rank raised is the result
+        error = getattr(error, "inner_exception", error)  # Dynamo wraps what its backend raised
+        return {"error": type(error).__name__, "message": str(error), "seconds": time.monotonic() - started}
+    return {"error": None}
+
+
+def test_a_recompile_on_some_ranks_only_is_the_same_clear_error_on_every_rank():
+    """The recompiling rank waits for the others' schedules, gives up, and says why; the
+    rank that ran on (blocked in a collective with it) reports the same error when that
+    collective fails, not a bare transport error, and not after the process group's
+    timeout."""
+    results = run_distributed(_partial_recompile_worker, 2, timeout=120, pg_timeout=90)
+    for result in results:
+        assert result["error"] == "ScheduleError", result
+        assert "dynamic=True" in result["message"] and "rank(s) [0]" in result["message"], result
+        assert result["seconds"] < 60, result
+    assert "collective failed because that rank stopped" in results[0]["message"]
