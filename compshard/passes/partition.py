@@ -10,10 +10,18 @@ check finds the saved outputs by it) and their bytes by kind in the recompute pl
 ``"activations"``, ``"gathered params"`` (``unshard`` outputs and their views and casts)
 and ``"inputs"`` (graph inputs: shards, buffers, the batch); a storage saved through
 several values counts once.
+
+One repair of AOTAutograd's layout (torch 2.11 to 2.13): when a recomputed region holds
+an RNG op (HF gradient checkpointing around attention), the partitioner inserts the RNG
+states it saves after the saved opaque objects (the ``DeviceMesh`` that rebuilds DTensor
+parameters' gradients), where its runtime expects every saved tensor first; the forward
+then fails before it returns. :func:`_saved_tensors_first` restores the layout (tensors,
+then opaque objects, then symbolic sizes) on both sides, keeping each kind's order.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import replace
 from typing import Any
 
@@ -33,8 +41,39 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, plan: CompilePlan,
     """The forward and backward graphs of ``joint``, and ``plan`` with what is saved."""
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     saved = [node for node in backward.graph.find_nodes(op="placeholder") if not node.name.startswith("tangents")]
+    _saved_tensors_first(forward, backward)
     recompute = replace(plan.recompute or RecomputePlan("none"), saved=_saved_bytes(forward.graph, saved))
     return forward, backward, replace(plan, saved_count=len(saved), recompute=recompute)
+
+
+def _saved_kind(node: fx.Node) -> int:
+    value = node.meta.get("val")
+    if isinstance(value, torch.Tensor):
+        return 0
+    if isinstance(value, (torch.SymInt, torch.SymFloat, torch.SymBool, int, float, bool)):
+        return 2
+    return 1  # an opaque object
+
+
+def _saved_tensors_first(forward: fx.GraphModule, backward: fx.GraphModule) -> None:
+    """Order the saved values tensors, opaque objects, symbolic sizes: the forward's
+    outputs after the user's, and the backward's inputs before the tangents (which take
+    the symbolic sizes first), each kind in its own order (see the module docstring)."""
+    placeholders = list(backward.graph.find_nodes(op="placeholder"))
+    inputs = list(itertools.takewhile(lambda node: not node.name.startswith("tangents"), placeholders))
+    output = forward.graph.find_nodes(op="output")[0]
+    outputs = list(output.args[0])
+    user, saved_outputs = outputs[:len(outputs) - len(inputs)], outputs[len(outputs) - len(inputs):]
+    reordered = sorted(saved_outputs, key=_saved_kind)  # stable: each kind keeps its order
+    if reordered == saved_outputs:
+        return
+    output.args = (tuple(user + reordered),)
+    for node in reversed(sorted(inputs, key=lambda n: (_saved_kind(n) + 1) % 3)):  # symbolic sizes first
+        first = next(iter(backward.graph.nodes))
+        if first is not node:
+            first.prepend(node)
+    forward.recompile()
+    backward.recompile()
 
 
 def _saved_bytes(forward: fx.Graph, saved: list[fx.Node]) -> dict[str, int]:
