@@ -17,20 +17,24 @@ Memory trade-off: while gradients accumulate, every rank holds one *full* gradie
 parameter (as DDP does), ``shard_size`` times the sharded gradient, from the first
 unsynced backward until the synced micro-batch's backward has consumed it. Use it when
 communication, not memory, is the bottleneck.
+
+When no synced forward follows the accumulation (a pipeline schedule runs the forward of
+its last micro-batch before the backwards of earlier ones, so no forward can fold them),
+:func:`reduce_accumulated_gradients` reduces every accumulated gradient once, explicitly.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from torch import nn
 
-from compshard.eager_gather import EagerReductions
+from compshard.eager_gather import EagerReductions, accumulate_grad
 
-__all__ = ["GradSync", "no_sync", "set_requires_gradient_sync"]
+__all__ = ["GradSync", "no_sync", "reduce_accumulated_gradients", "set_requires_gradient_sync"]
 
 
 class GradSync:
@@ -63,6 +67,28 @@ class GradSync:
         sink.grad = None
         return "fold", accumulated
 
+    def reduce_accumulated(self, params: Mapping[str, nn.Parameter], divide_by: int = 1) -> None:
+        """Reduce every gradient sink's accumulated gradient with one ``compshard::reduce_grad``
+        each, in parameter registration order (the same collectives in the same order on
+        every rank), divide this rank's rows by ``divide_by`` and add them to the
+        parameter's ``.grad`` (``params``: name -> parameter); the sinks are left empty.
+
+        A sink that accumulated nothing contributes zeros, so that every rank issues the
+        same collectives whatever ran: its parameter then gets a zero gradient, not ``None``."""
+        for name, spec in self.specs.items():
+            sink = self.sinks.get(name)
+            if sink is None:  # frozen parameter, or gradient sync never turned off
+                continue
+            accumulated = sink.grad
+            sink.grad = None
+            if accumulated is None:
+                accumulated = torch.zeros(spec.full_shape, dtype=sink.dtype, device=sink.device)
+            param = params[name]
+            local_grad = torch.ops.compshard.reduce_grad(
+                accumulated, list(spec.full_shape), spec.world_size, spec.group_name, name, spec.reduce_dtype,
+                param.dtype, spec.replicate_group)
+            accumulate_grad(param, local_grad / divide_by if divide_by != 1 else local_grad)
+
 
 def _state(module: nn.Module) -> GradSync:
     state = getattr(module, "_compshard_grad_sync", None)
@@ -90,6 +116,15 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         dtype = spec.reduce_dtype or spec.param_dtype or params[name].dtype
         device = spec.compute_device or params[name].device
         state.sinks[name] = torch.zeros((), dtype=dtype, device=device).expand(spec.full_shape).requires_grad_()
+
+
+def reduce_accumulated_gradients(module: nn.Module, *, divide_by: int = 1) -> None:
+    """Reduce the gradients ``module`` (the module passed to ``compshard.shard``) accumulated
+    with gradient sync off: one reduction per parameter, in registration order, landing in
+    the parameters' ``.grad`` divided by ``divide_by`` (see :meth:`GradSync.reduce_accumulated`).
+    Every rank must call it at the same point."""
+    with torch.no_grad():
+        _state(module).reduce_accumulated(dict(module.named_parameters()), divide_by)
 
 
 @contextlib.contextmanager
