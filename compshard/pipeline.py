@@ -48,7 +48,8 @@ from compshard.options import CompileOptions
 from compshard.pipeline_stages import Partition, build_stage_module, partition_stages
 from compshard.sharding import shard
 
-__all__ = ["Pipeline", "PipelineReport", "SCHEDULES", "bubble_fraction", "pipeline"]
+__all__ = ["Pipeline", "PipelineReport", "SCHEDULES", "bubble_fraction", "mean_step_loss", "pipeline",
+           "sum_tied_gradients", "tied_gradient_groups"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -103,8 +104,7 @@ class Pipeline:
         self._input_shapes = input_shapes
         self._schedule_name = schedule
         self._microbatches = microbatches
-        self._pp_group = mesh["pp"].get_group()
-        self._dp_group = mesh["dp"].get_group() if mesh.ndim == 2 else None
+        self._mesh = mesh
         self._data_parallel = mesh["dp"].size() if mesh.ndim == 2 else 1
         self.stage_index = mesh["pp"].get_local_rank()
         self._stages = len(partition.stages)
@@ -116,29 +116,11 @@ class Pipeline:
         self._compiled = compile_options is not None
         runner = torch.compile(self.module, backend="compshard", options=compile_options) if self._compiled \
             else self.module
-        stage = PipelineStage(runner, self.stage_index, self._stages, device, group=self._pp_group)
+        stage = PipelineStage(runner, self.stage_index, self._stages, device, group=mesh["pp"].get_group())
         # A sharded stage divides by M in its one reduction per step; the schedule's own
         # division would find no gradient yet.
         self._schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn, scale_grads=not self._sharded)
-        self._tied = self._tied_groups(mesh)
-
-    def _tied_groups(self, mesh: DeviceMesh) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
-        """For each tied parameter this rank holds: the group of ranks (same ``dp`` index,
-        the stages holding it) its gradient is summed over. Every rank creates every group,
-        in the same order, as ``new_group`` requires."""
-        ranks = mesh.mesh.reshape(self._stages, -1)
-        dp_index = mesh["dp"].get_local_rank() if mesh.ndim == 2 else 0
-        params = dict(self.module.named_parameters())
-        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        groups = []
-        for name, holders in self.partition.tied.items():
-            for column in range(ranks.shape[1]):
-                members = tuple(int(ranks[s, column]) for s in holders)
-                if members not in created:
-                    created[members] = dist.new_group(list(members))
-                if self.stage_index in holders and column == dp_index:
-                    groups.append((params[name], created[members]))
-        return groups
+        self._tied = tied_gradient_groups(partition, mesh, dict(self.module.named_parameters()))
 
     def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward over all micro-batches; gradients are left in
@@ -165,23 +147,59 @@ class Pipeline:
             )
         if self._sharded:
             reduce_accumulated_gradients(self.module, divide_by=self._microbatches)
-        with torch.no_grad():
-            for param, group in self._tied:
-                dist.all_reduce(_local(param.grad), group=group)
-            device = targets.device
-            loss = torch.stack(losses).mean() if is_last else torch.zeros((), device=device)
-            loss = loss.detach().to(torch.float32)
-            dist.broadcast(loss, group=self._pp_group, group_src=self._stages - 1)
-            if self._dp_group is not None:
-                dist.all_reduce(loss, group=self._dp_group)
-                loss /= self._data_parallel
-        return loss
+        sum_tied_gradients(self._tied)
+        return mean_step_loss(losses, self._mesh, targets.device)
 
     def describe(self) -> PipelineReport:
         """The stages (modules, ops, estimated forward cost, parameter memory before
         sharding) and the schedule's bubble fraction."""
         return PipelineReport(self.partition, self._schedule_name, self._microbatches, self._data_parallel,
                               self._compiled)
+
+
+def tied_gradient_groups(
+    partition: Partition, mesh: DeviceMesh, params: Mapping[str, nn.Parameter],
+) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
+    """For each tied parameter this rank's stage holds (``params``: its parameters by
+    name): the group of ranks (same ``dp`` index, the stages holding it) its gradient is
+    summed over. Every rank creates every group, in the same order, as ``new_group``
+    requires."""
+    stages = mesh["pp"].size()
+    stage_index = mesh["pp"].get_local_rank()
+    ranks = mesh.mesh.reshape(stages, -1)
+    dp_index = mesh["dp"].get_local_rank() if mesh.ndim == 2 else 0
+    created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    groups = []
+    for name, holders in partition.tied.items():
+        for column in range(ranks.shape[1]):
+            members = tuple(int(ranks[s, column]) for s in holders)
+            if members not in created:
+                created[members] = dist.new_group(list(members))
+            if stage_index in holders and column == dp_index:
+                groups.append((params[name], created[members]))
+    return groups
+
+
+def sum_tied_gradients(groups: list[tuple[nn.Parameter, dist.ProcessGroup]]) -> None:
+    """Sum each tied parameter's gradient (this rank's rows) over its group of stages, so
+    every copy takes the same optimizer step (``groups``: :func:`tied_gradient_groups`)."""
+    with torch.no_grad():
+        for param, group in groups:
+            dist.all_reduce(_local(param.grad), group=group)
+
+
+def mean_step_loss(losses: list[torch.Tensor], mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+    """The step's loss on every rank: the mean of the last stage's micro-batch ``losses``
+    (empty on other stages), broadcast along ``pp`` and averaged over the ``dp`` replicas."""
+    stages = mesh["pp"].size()
+    with torch.no_grad():
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+        loss = loss.detach().to(torch.float32)
+        dist.broadcast(loss, group=mesh["pp"].get_group(), group_src=stages - 1)
+        if mesh.ndim == 2 and mesh["dp"].size() > 1:
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            loss /= mesh["dp"].size()
+    return loss
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
