@@ -17,12 +17,13 @@ Gradients of a sharded stage are reduced once per step, not once per micro-batch
 backwards of the ``M`` micro-batches run with gradient sync off
 (:func:`compshard.no_sync`), so each accumulates the full gradient of every parameter
 locally, and after the schedule :func:`compshard.grad_sync.reduce_accumulated_gradients`
-reduce-scatters each parameter's sum once, in registration order (the same on every
-rank of the stage's ``dp`` group), divided by ``M`` as the schedule's mean asks.
-Trade-off: one reduce-scatter per parameter and step instead of ``M`` (and none inside
-the compiled backwards, which therefore cannot overlap it with compute), for one
-*full-size* gradient per parameter of the stage held from its first backward to the end
-of the step (``dp`` times the sharded gradient), as DDP holds.
+reduce-scatters the sums once, in buckets of consecutive parameters (registration order,
+the same on every rank of the stage's ``dp`` group; at most the compile option
+``bucket_mb`` of full gradients each), divided by ``M`` as the schedule's mean asks.
+Trade-off: one reduce-scatter per bucket and step instead of one per bucket and
+micro-batch (and none inside the compiled backwards, so none overlaps backward compute),
+for one *full-size* gradient per parameter of the stage held from its first backward to
+the end of the step (``dp`` times the sharded gradient), as DDP holds.
 
 Tied parameters whose uses fall in different stages (GPT's ``wte.weight`` /
 ``lm_head.weight``) are held by each of those stages; after the backward their gradients
@@ -114,6 +115,7 @@ class Pipeline:
         if self._sharded:
             shard(self.module, mesh=mesh["dp"])
         self._compiled = compile_options is not None
+        self._reduce_bucket_bytes = int(CompileOptions.from_dict(compile_options).bucket_mb * 2**20)
         runner = torch.compile(self.module, backend="compshard", options=compile_options) if self._compiled \
             else self.module
         stage = PipelineStage(runner, self.stage_index, self._stages, device, group=mesh["pp"].get_group())
@@ -146,7 +148,8 @@ class Pipeline:
                 return_outputs=False,
             )
         if self._sharded:
-            reduce_accumulated_gradients(self.module, divide_by=self._microbatches)
+            reduce_accumulated_gradients(self.module, divide_by=self._microbatches,
+                                         bucket_bytes=self._reduce_bucket_bytes)
         sum_tied_gradients(self._tied)
         return mean_step_loss(losses, self._mesh, targets.device)
 
