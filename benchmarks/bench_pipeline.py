@@ -19,7 +19,9 @@ the cuts agree), with the same schedule and micro-batches, in the same processes
   torch.distributed.fsdp.fully_shard unit (its submodules hold attributes and are never
   called, so a unit per block would never gather) run by torch.distributed.pipelining's
   PipelineStage, which turns FSDP2's gradient sync off for the micro-batches and reduces
-  once per step (one reduce-scatter per stage).
+  once per step (one reduce-scatter per stage). Profiled on the default GPT it also
+  all-gathers once per step: the stage's parameters stay gathered through the step,
+  where compshard gathers its buckets in every micro-batch's forward and backward graph.
 
 Tied parameters (the GPT's wte / lm_head) have their gradients summed across the stages
 that hold them in every system (compshard.pipeline's own helpers). The optimizer is
