@@ -84,8 +84,8 @@ class GradSync:
         dtypes, each closed before its full gradients would pass ``bucket_bytes`` (a larger
         one is a bucket alone): one ``compshard::reduce_grad`` per bucket
         (:func:`_reduce_bucket`), replicated (0-d) parameters one each. Memory: one packed
-        bucket (plus the op's divided copy) beside the full gradients, each sink's released
-        as its bucket is packed.
+        bucket (plus the op's divided copy) beside the full gradients, each released once
+        its bucket is reduced.
 
         A sink that accumulated nothing contributes zeros, so that every rank issues the
         same collectives whatever ran: its parameter then gets a zero gradient, not ``None``."""

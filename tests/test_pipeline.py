@@ -189,7 +189,8 @@ def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule:
 # their full gradients' bytes: single 4, temperature (0-d: all-reduced alone), inp.weight
 # 140, inp.bias 20, twice.weight 100, twice.bias 20, narrow.weight 60, narrow.bias 12. In
 # buckets of at most 150 bytes: [single, inp.weight], [inp.bias, twice.weight, twice.bias],
-# [narrow.weight, narrow.bias]; rows not divisible by the ranks (some hold none of narrow's).
+# [narrow.weight, narrow.bias]; rows not divisible by the ranks (at world size 4 one rank
+# holds none of narrow's).
 BUCKET_BYTES, BUCKETS = 150, 3
 
 
