@@ -49,7 +49,7 @@ from torch.distributed.tensor import DTensor
 
 from compshard.ops import UnshardArgs
 
-__all__ = ["EagerReductions", "gather", "install_call_scope", "needs_call_scope"]
+__all__ = ["EagerReductions", "accumulate_grad", "gather", "install_call_scope", "needs_call_scope"]
 
 
 @dataclass
@@ -110,10 +110,11 @@ class EagerReductions:
         local_grad = torch.ops.compshard.reduce_grad(grad, *item.reduce_args)
         item.grad = None
         item.ready = True  # reduced (a skipped gather's zeros included)
-        _accumulate(item.param, local_grad)
+        accumulate_grad(item.param, local_grad)
 
 
-def _accumulate(param: nn.Parameter, local_grad: torch.Tensor) -> None:
+def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
+    """Add ``local_grad`` (this rank's rows of a reduced gradient) to ``param.grad``."""
     local_grad = local_grad.to(param.device)
     if isinstance(param, DTensor):
         local_grad = DTensor.from_local(local_grad, param.device_mesh, param.placements, run_check=False,

@@ -17,20 +17,30 @@ Memory trade-off: while gradients accumulate, every rank holds one *full* gradie
 parameter (as DDP does), ``shard_size`` times the sharded gradient, from the first
 unsynced backward until the synced micro-batch's backward has consumed it. Use it when
 communication, not memory, is the bottleneck.
+
+When no synced forward follows the accumulation (a pipeline schedule runs the forward of
+its last micro-batch before the backwards of earlier ones, so no forward can fold them),
+:func:`reduce_accumulated_gradients` reduces every accumulated gradient once, explicitly,
+in buckets (one collective for many parameters).
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
-from typing import Any
+import math
+from collections.abc import Iterator, Mapping
+from typing import Any, NamedTuple
 
 import torch
 from torch import nn
 
-from compshard.eager_gather import EagerReductions
+from compshard.eager_gather import EagerReductions, accumulate_grad
+from compshard.ops import ShardLayout, group_rank
+from compshard.options import CompileOptions
 
-__all__ = ["GradSync", "no_sync", "set_requires_gradient_sync"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "GradSync", "no_sync", "reduce_accumulated_gradients", "set_requires_gradient_sync"]
+
+DEFAULT_BUCKET_BYTES = int(CompileOptions().bucket_mb * 2**20)  # of full gradients per reduction
 
 
 class GradSync:
@@ -63,6 +73,92 @@ class GradSync:
         sink.grad = None
         return "fold", accumulated
 
+    def reduce_accumulated(self, params: Mapping[str, nn.Parameter], *, divide_by: int = 1,
+                           bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+        """Reduce every gradient sink's accumulated gradient once, divide this rank's rows by
+        ``divide_by`` and add them to the parameter's ``.grad`` (``params``: name ->
+        parameter); the sinks are left empty.
+
+        Parameters are taken in registration order (the same collectives in the same order
+        on every rank) into buckets of consecutive parameters with the same groups and
+        dtypes, each closed before its full gradients would pass ``bucket_bytes`` (a larger
+        one is a bucket alone): one ``compshard::reduce_grad`` per bucket
+        (:func:`_reduce_bucket`), replicated (0-d) parameters one each. Memory: one packed
+        bucket (plus the op's divided copy) beside the full gradients, each released once
+        its bucket is reduced.
+
+        A sink that accumulated nothing contributes zeros, so that every rank issues the
+        same collectives whatever ran: its parameter then gets a zero gradient, not ``None``."""
+        bucket: list[_Accumulated] = []
+        for name, spec in self.specs.items():
+            sink = self.sinks.get(name)
+            if sink is None:  # frozen parameter, or gradient sync never turned off
+                continue
+            grad = sink.grad if sink.grad is not None else torch.zeros(spec.full_shape, dtype=sink.dtype,
+                                                                       device=sink.device)
+            sink.grad = None
+            item = _Accumulated(spec, grad, params[name])
+            if not spec.full_shape:
+                _reduce_and_accumulate([item], divide_by)
+                continue
+            if bucket and (item.key != bucket[0].key or _nbytes(bucket) + item.nbytes > bucket_bytes):
+                _reduce_and_accumulate(bucket, divide_by)
+                bucket = []
+            bucket.append(item)
+        if bucket:
+            _reduce_and_accumulate(bucket, divide_by)
+
+
+class _Accumulated(NamedTuple):
+    spec: Any  # compshard.sharding.ParamSpec
+    grad: torch.Tensor  # full accumulated gradient, in the reduce dtype
+    param: nn.Parameter
+
+    @property
+    def key(self) -> tuple:
+        """What gradients reduced in one collective must share."""
+        return (self.spec.world_size, self.spec.group_name, self.spec.replicate_group, self.grad.dtype,
+                self.grad.device, self.param.dtype)
+
+    @property
+    def nbytes(self) -> int:
+        return self.grad.numel() * self.grad.element_size()
+
+
+def _nbytes(bucket: list[_Accumulated]) -> int:
+    return sum(item.nbytes for item in bucket)
+
+
+def _reduce_and_accumulate(bucket: list[_Accumulated], divide_by: int) -> None:
+    for item, local_grad in zip(bucket, _reduce_bucket(bucket)):
+        accumulate_grad(item.param, local_grad / divide_by if divide_by != 1 else local_grad)
+
+
+def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
+    """This rank's reduced rows of each gradient of ``bucket`` (same :attr:`_Accumulated.key`),
+    through one ``compshard::reduce_grad``: the gradients packed rank-major (row ``r`` of a
+    ``[world_size, S]`` tensor holds rank ``r``'s rows of every gradient, zero-padded, as
+    the compiled backward packs a bucket), reduced as that tensor, whose ``Shard(0)`` row
+    is this rank's, then unpacked. The arithmetic per element is the op's for each
+    gradient alone. A replicated (0-d) parameter goes alone, as itself."""
+    first = bucket[0]
+    spec, world_size = first.spec, first.spec.world_size
+    if len(bucket) == 1 and not spec.full_shape:
+        return [torch.ops.compshard.reduce_grad(first.grad, [], world_size, spec.group_name, spec.fqn, None,
+                                                first.param.dtype, spec.replicate_group)]
+    rank = group_rank(spec.group_name)
+    layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]
+    shard_numels = [layout.padded_shard_numel for layout in layouts]
+    packed = torch.ops.compshard.reduce_scatter_copy_in([item.grad for item in bucket], shard_numels, world_size,
+                                                       first.grad.dtype, None)
+    label = spec.fqn if len(bucket) == 1 else f"{spec.fqn} and {len(bucket) - 1} more"
+    reduced = torch.ops.compshard.reduce_grad(packed, [world_size, sum(shard_numels)], world_size, spec.group_name,
+                                              label, None, first.param.dtype, spec.replicate_group)
+    local_numels = [math.prod(layout.local_shape) for layout in layouts]
+    flats = torch.ops.compshard.reduce_scatter_copy_out(reduced.view(-1), shard_numels, local_numels,
+                                                        first.param.dtype)
+    return [flat.view(layout.local_shape) for flat, layout in zip(flats, layouts)]
+
 
 def _state(module: nn.Module) -> GradSync:
     state = getattr(module, "_compshard_grad_sync", None)
@@ -90,6 +186,18 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         dtype = spec.reduce_dtype or spec.param_dtype or params[name].dtype
         device = spec.compute_device or params[name].device
         state.sinks[name] = torch.zeros((), dtype=dtype, device=device).expand(spec.full_shape).requires_grad_()
+
+
+def reduce_accumulated_gradients(module: nn.Module, *, divide_by: int = 1,
+                                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    """Reduce the gradients ``module`` (the module passed to ``compshard.shard``) accumulated
+    with gradient sync off: one reduction per bucket of at most ``bucket_bytes`` of full
+    gradients, in registration order, landing in the parameters' ``.grad`` divided by
+    ``divide_by`` (see :meth:`GradSync.reduce_accumulated`). Every rank must call it at
+    the same point."""
+    with torch.no_grad():
+        _state(module).reduce_accumulated(dict(module.named_parameters()), divide_by=divide_by,
+                                          bucket_bytes=bucket_bytes)
 
 
 @contextlib.contextmanager

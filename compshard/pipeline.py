@@ -8,9 +8,22 @@ ranks form a 2-D mesh ``(pp, dp)``: every stage is replicated over ``dp`` ranks,
 replica's stage module is sharded over them with ``compshard.shard`` (ZeRO-3 inside the
 stage, pipeline across stages).
 
-Stage modules run eagerly: parameter reads of a sharded stage are blocking all-gathers,
-and each micro-batch's backward reduce-scatters its gradients (``M`` reduce-scatters per
-parameter and step, no accumulation in full size).
+Each stage module (an FX graph of ATen ops) is compiled with the compshard backend
+(``compile=True``, the default; ``compile_options`` are the backend's options), which
+schedules its all-gathers; ``compile=False`` runs it eagerly, each parameter read a
+blocking all-gather.
+
+Gradients of a sharded stage are reduced once per step, not once per micro-batch: the
+backwards of the ``M`` micro-batches run with gradient sync off
+(:func:`compshard.no_sync`), so each accumulates the full gradient of every parameter
+locally, and after the schedule :func:`compshard.grad_sync.reduce_accumulated_gradients`
+reduce-scatters the sums once, in buckets of consecutive parameters (registration order,
+the same on every rank of the stage's ``dp`` group; at most the compile option
+``bucket_mb`` of full gradients each), divided by ``M`` as the schedule's mean asks.
+Trade-off: one reduce-scatter per bucket and step instead of one per bucket and
+micro-batch (and none inside the compiled backwards, so none overlaps backward compute),
+for one *full-size* gradient per parameter of the stage held from its first backward to
+the end of the step (``dp`` times the sharded gradient), as DDP holds.
 
 Tied parameters whose uses fall in different stages (GPT's ``wte.weight`` /
 ``lm_head.weight``) are held by each of those stages; after the backward their gradients
@@ -20,8 +33,9 @@ copy takes the same optimizer step and they stay equal.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -30,10 +44,13 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
 from compshard import cost_model
+from compshard.grad_sync import no_sync, reduce_accumulated_gradients
+from compshard.options import CompileOptions
 from compshard.pipeline_stages import Partition, build_stage_module, partition_stages
 from compshard.sharding import shard
 
-__all__ = ["Pipeline", "PipelineReport", "SCHEDULES", "bubble_fraction", "pipeline"]
+__all__ = ["Pipeline", "PipelineReport", "SCHEDULES", "bubble_fraction", "mean_step_loss", "pipeline",
+           "sum_tied_gradients", "tied_gradient_groups"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -52,6 +69,7 @@ class PipelineReport:
     schedule: str
     microbatches: int
     data_parallel: int  # ranks sharding each stage
+    compiled: bool  # stages compiled with the compshard backend (else run eagerly)
 
     @property
     def bubble_fraction(self) -> float:
@@ -60,7 +78,8 @@ class PipelineReport:
     def __str__(self) -> str:
         stages = len(self.partition.stages)
         header = (
-            f"pipeline: {stages} stages x {self.data_parallel} data-parallel shards, schedule {self.schedule}, "
+            f"pipeline: {stages} {'compiled' if self.compiled else 'eager'} stages x {self.data_parallel} "
+            f"data-parallel shards, schedule {self.schedule}, "
             f"{self.microbatches} micro-batches, bubble fraction (K-1)/(M+K-1) = "
             f"{stages - 1}/{self.microbatches + stages - 1} = {self.bubble_fraction:.3f}"
         )
@@ -80,46 +99,35 @@ class Pipeline:
 
     def __init__(
         self, partition: Partition, loss_fn: Callable, *, schedule: str, microbatches: int, mesh: DeviceMesh,
-        device: torch.device, input_shapes: list[torch.Size],
+        device: torch.device, input_shapes: list[torch.Size], compile_options: dict[str, Any] | None,
     ) -> None:
         self.partition = partition
         self._input_shapes = input_shapes
         self._schedule_name = schedule
         self._microbatches = microbatches
-        self._pp_group = mesh["pp"].get_group()
-        self._dp_group = mesh["dp"].get_group() if mesh.ndim == 2 else None
+        self._mesh = mesh
         self._data_parallel = mesh["dp"].size() if mesh.ndim == 2 else 1
         self.stage_index = mesh["pp"].get_local_rank()
         self._stages = len(partition.stages)
         self.module: fx.GraphModule = build_stage_module(partition, self.stage_index)
         partition.release_tensors()  # the stage module holds this rank's; sharding may replace them
-        if self._data_parallel > 1:
+        self._sharded = self._data_parallel > 1
+        if self._sharded:
             shard(self.module, mesh=mesh["dp"])
-        stage = PipelineStage(self.module, self.stage_index, self._stages, device, group=self._pp_group)
-        self._schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn)
-        self._tied = self._tied_groups(mesh)
-
-    def _tied_groups(self, mesh: DeviceMesh) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
-        """For each tied parameter this rank holds: the group of ranks (same ``dp`` index,
-        the stages holding it) its gradient is summed over. Every rank creates every group,
-        in the same order, as ``new_group`` requires."""
-        ranks = mesh.mesh.reshape(self._stages, -1)
-        dp_index = mesh["dp"].get_local_rank() if mesh.ndim == 2 else 0
-        params = dict(self.module.named_parameters())
-        created: dict[tuple[int, ...], dist.ProcessGroup] = {}
-        groups = []
-        for name, holders in self.partition.tied.items():
-            for column in range(ranks.shape[1]):
-                members = tuple(int(ranks[s, column]) for s in holders)
-                if members not in created:
-                    created[members] = dist.new_group(list(members))
-                if self.stage_index in holders and column == dp_index:
-                    groups.append((params[name], created[members]))
-        return groups
+        self._compiled = compile_options is not None
+        self._reduce_bucket_bytes = int(CompileOptions.from_dict(compile_options).bucket_mb * 2**20)
+        runner = torch.compile(self.module, backend="compshard", options=compile_options) if self._compiled \
+            else self.module
+        stage = PipelineStage(runner, self.stage_index, self._stages, device, group=mesh["pp"].get_group())
+        # A sharded stage divides by M in its one reduction per step; the schedule's own
+        # division would find no gradient yet.
+        self._schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn, scale_grads=not self._sharded)
+        self._tied = tied_gradient_groups(partition, mesh, dict(self.module.named_parameters()))
 
     def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
         """Forward and backward over all micro-batches; gradients are left in
-        ``module``'s parameters (summed over micro-batches as the mean loss asks).
+        ``module``'s parameters (summed over micro-batches as the mean loss asks; a
+        sharded stage reduces them once, at the end).
 
         ``inputs`` (the model's positional inputs) and ``targets`` are this data-parallel
         replica's batch, split along dim 0 into the micro-batches; every rank passes them
@@ -134,26 +142,67 @@ class Pipeline:
             )
         is_first, is_last = self.stage_index == 0, self.stage_index == self._stages - 1
         losses: list[torch.Tensor] = []
-        self._schedule.step(
-            *(args if is_first else ()), target=targets if is_last else None, losses=losses if is_last else None,
-            return_outputs=False,
-        )
-        with torch.no_grad():
-            for param, group in self._tied:
-                dist.all_reduce(_local(param.grad), group=group)
-            device = targets.device
-            loss = torch.stack(losses).mean() if is_last else torch.zeros((), device=device)
-            loss = loss.detach().to(torch.float32)
-            dist.broadcast(loss, group=self._pp_group, group_src=self._stages - 1)
-            if self._dp_group is not None:
-                dist.all_reduce(loss, group=self._dp_group)
-                loss /= self._data_parallel
-        return loss
+        with no_sync(self.module) if self._sharded else contextlib.nullcontext():
+            self._schedule.step(
+                *(args if is_first else ()), target=targets if is_last else None, losses=losses if is_last else None,
+                return_outputs=False,
+            )
+        if self._sharded:
+            reduce_accumulated_gradients(self.module, divide_by=self._microbatches,
+                                         bucket_bytes=self._reduce_bucket_bytes)
+        sum_tied_gradients(self._tied)
+        return mean_step_loss(losses, self._mesh, targets.device)
 
     def describe(self) -> PipelineReport:
         """The stages (modules, ops, estimated forward cost, parameter memory before
         sharding) and the schedule's bubble fraction."""
-        return PipelineReport(self.partition, self._schedule_name, self._microbatches, self._data_parallel)
+        return PipelineReport(self.partition, self._schedule_name, self._microbatches, self._data_parallel,
+                              self._compiled)
+
+
+def tied_gradient_groups(
+    partition: Partition, mesh: DeviceMesh, params: Mapping[str, nn.Parameter],
+) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
+    """For each tied parameter this rank's stage holds (``params``: its parameters by
+    name): the group of ranks (same ``dp`` index, the stages holding it) its gradient is
+    summed over. Every rank creates every group, in the same order, as ``new_group``
+    requires."""
+    stages = mesh["pp"].size()
+    stage_index = mesh["pp"].get_local_rank()
+    ranks = mesh.mesh.reshape(stages, -1)
+    dp_index = mesh["dp"].get_local_rank() if mesh.ndim == 2 else 0
+    created: dict[tuple[int, ...], dist.ProcessGroup] = {}
+    groups = []
+    for name, holders in partition.tied.items():
+        for column in range(ranks.shape[1]):
+            members = tuple(int(ranks[s, column]) for s in holders)
+            if members not in created:
+                created[members] = dist.new_group(list(members))
+            if stage_index in holders and column == dp_index:
+                groups.append((params[name], created[members]))
+    return groups
+
+
+def sum_tied_gradients(groups: list[tuple[nn.Parameter, dist.ProcessGroup]]) -> None:
+    """Sum each tied parameter's gradient (this rank's rows) over its group of stages, so
+    every copy takes the same optimizer step (``groups``: :func:`tied_gradient_groups`)."""
+    with torch.no_grad():
+        for param, group in groups:
+            dist.all_reduce(_local(param.grad), group=group)
+
+
+def mean_step_loss(losses: list[torch.Tensor], mesh: DeviceMesh, device: torch.device) -> torch.Tensor:
+    """The step's loss on every rank: the mean of the last stage's micro-batch ``losses``
+    (empty on other stages), broadcast along ``pp`` and averaged over the ``dp`` replicas."""
+    stages = mesh["pp"].size()
+    with torch.no_grad():
+        loss = torch.stack(losses).mean() if losses else torch.zeros((), device=device)
+        loss = loss.detach().to(torch.float32)
+        dist.broadcast(loss, group=mesh["pp"].get_group(), group_src=stages - 1)
+        if mesh.ndim == 2 and mesh["dp"].size() > 1:
+            dist.all_reduce(loss, group=mesh["dp"].get_group())
+            loss /= mesh["dp"].size()
+    return loss
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
@@ -171,6 +220,22 @@ def _positive_int(option: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"compshard.pipeline: {option} must be an int >= 1, got {value!r}")
     return value
+
+
+def _compile_options(compile: bool, compile_options: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    """The backend options to compile the stages with, validated now; ``None``: run eagerly."""
+    if not isinstance(compile, bool):
+        raise TypeError(f"compshard.pipeline: compile must be True or False, got {compile!r}")
+    if compile_options is None:
+        return {} if compile else None
+    if not isinstance(compile_options, Mapping):
+        raise TypeError(f"compshard.pipeline: compile_options must be a dict of backend options or None, "
+                        f"got {type(compile_options).__name__}")
+    if not compile:
+        raise ValueError("compshard.pipeline: compile_options are the compshard backend's options; they need "
+                         "compile=True (got compile=False)")
+    CompileOptions.from_dict(compile_options)  # raises naming the bad option
+    return dict(compile_options)
 
 
 def _pipeline_mesh(stages: int, mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:
@@ -208,6 +273,8 @@ def pipeline(
     example_inputs: torch.Tensor | Sequence[torch.Tensor],
     schedule: str = "1f1b",
     mesh: DeviceMesh | None = None,
+    compile: bool = True,
+    compile_options: Mapping[str, Any] | None = None,
 ) -> Pipeline:
     """Cut ``model`` into ``stages`` pipeline stages and return this rank's :class:`Pipeline`.
 
@@ -231,6 +298,11 @@ def pipeline(
         mesh: a ``DeviceMesh`` with dims ``("pp",)`` or ``("pp", "dp")``. ``None``: the
             default process group as a ``(K, world/K)`` mesh; with ``dp > 1`` each stage is
             sharded over its ``dp`` ranks with :func:`compshard.shard`.
+        compile: compile each stage module with the compshard backend (``True``) or run
+            it eagerly (``False``). The first ``step`` compiles (each stage its own
+            graphs); gradients are reduced once per step either way.
+        compile_options: the backend's options (:class:`compshard.CompileOptions`), for
+            ``compile=True`` only; ``None``: the defaults.
 
     Collective: every rank calls it (it needs an initialized process group).
     """
@@ -247,6 +319,7 @@ def pipeline(
             f"compshard.pipeline: schedule='1f1b' needs microbatches >= stages, got microbatches={microbatches}, "
             f"stages={stages}; use more micro-batches or schedule='gpipe'"
         )
+    options = _compile_options(compile, compile_options)
     args = _as_tuple(example_inputs)
     batch = args[0].shape[0] if args[0].dim() else 0
     if batch % microbatches or any(a.dim() == 0 or a.shape[0] != batch for a in args):
@@ -263,4 +336,4 @@ def pipeline(
     partition = partition_stages(model, micro_batch, stages, costs=costs)
     _check_same_cut(partition)
     return Pipeline(partition, loss_fn, schedule=schedule, microbatches=microbatches, mesh=mesh, device=device,
-                    input_shapes=[a.shape for a in args])
+                    input_shapes=[a.shape for a in args], compile_options=options)

@@ -1,6 +1,8 @@
 """Pipeline parallelism: the partition pass (in process) and training with
-``compshard.pipeline`` against single-process eager training (gloo: 2 stages on 2
-processes, 2 stages x 2 data-parallel shards on 4). One spawn per world size.
+``compshard.pipeline`` (stages compiled with the compshard backend, and eager) against
+single-process eager training (gloo: 2 stages on 2 processes, 2 stages x 2 data-parallel
+shards on 4), with the number of gradient reduce-scatters per step. One spawn per world
+size.
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ import copy
 import io
 import pathlib
 import re
+from typing import Callable
 
 import pytest
 import torch
@@ -18,6 +21,8 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import compshard
+from compshard.backend import record_compiles
+from compshard.grad_sync import reduce_accumulated_gradients
 from compshard.models import GPT, GPTConfig
 from compshard.pipeline_stages import build_stage_module, partition_stages
 from compshard.pipeline import bubble_fraction
@@ -96,6 +101,22 @@ def test_bad_options_name_the_option_and_what_is_allowed(options, message):
         compshard.pipeline(model, gpt_loss, **kwargs)
 
 
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"compile": "yes"}, TypeError, r"compile must be True or False, got 'yes'"),
+        ({"compile_options": [("prefetch", 0)]}, TypeError, r"compile_options must be a dict of backend options"),
+        ({"compile": False, "compile_options": {"prefetch": 0}}, ValueError, r"they need compile=True"),
+        ({"compile_options": {"prefetch": -1}}, ValueError, r"option 'prefetch' must be 'auto' or an int >= 0"),
+        ({"compile_options": {"prefech": 0}}, ValueError, r"unknown option\(s\) \['prefech'\]"),
+    ],
+)
+def test_bad_compile_options_name_the_option(options, error, message):
+    model, (x, _) = make_model("gpt")
+    with pytest.raises(error, match=message):
+        compshard.pipeline(model, gpt_loss, stages=2, microbatches=4, example_inputs=x, **options)
+
+
 def test_bubble_fraction():
     assert bubble_fraction(1, 4) == 0
     assert bubble_fraction(2, 4) == pytest.approx(1 / 5)
@@ -112,9 +133,22 @@ def test_bubble_fraction():
 PIPELINE_ADAMW = {**ADAMW, "eps": 1e-4}
 
 
-def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule: str, pp_mesh: bool) -> dict:
+# The reduce-scatters a step issues, at the functional-collective level: an uncompiled
+# compshard::reduce_grad and a compiled backward's lowered reductions both go through them.
+REDUCE_SCATTERS = ("_c10d_functional::reduce_scatter_tensor", "_c10d_functional::reduce_scatter_tensor_coalesced")
+
+
+def _count_reduce_scatters(step: Callable[[], object]) -> int:
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        step()
+    return sum(event.name in REDUCE_SCATTERS for event in profile.events())
+
+
+def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule: str, pp_mesh: bool,
+           compile: bool) -> dict:
     """Train the test GPT with ``compshard.pipeline`` and report errors against eager
-    (``pp_mesh``: pass a 1-D ``("pp",)`` mesh instead of letting it build one)."""
+    (``pp_mesh``: pass a 1-D ``("pp",)`` mesh instead of letting it build one), the graphs
+    compiled and the reduce-scatters of the last step."""
     reference, batch = make_model("gpt")
     model = copy.deepcopy(reference)
     expected_losses = train_reference(reference, batch,
@@ -123,13 +157,17 @@ def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule:
     x, y = local_batch(batch, rank % replicas, replicas)  # ranks are laid out (pp, dp), dp inner
     mesh = init_device_mesh("cpu", (stages,), mesh_dim_names=("pp",)) if pp_mesh else None
     pipe = compshard.pipeline(model, gpt_loss, stages=stages, microbatches=microbatches, schedule=schedule,
-                              example_inputs=x, mesh=mesh)
+                              example_inputs=x, mesh=mesh, compile=compile)
     opt = torch.optim.AdamW(pipe.module.parameters(), **PIPELINE_ADAMW)
     losses = []
-    for _ in range(STEPS):
-        losses.append(pipe.step(x, y).item())
-        opt.step()
-        opt.zero_grad()
+    with record_compiles() as compiled:
+        for _ in range(STEPS - 1):
+            losses.append(pipe.step(x, y).item())
+            opt.step()
+            opt.zero_grad()
+    reduce_scatters = _count_reduce_scatters(lambda: losses.append(pipe.step(x, y).item()))
+    opt.step()
+    opt.zero_grad()
     full = compshard.full_state_dict(pipe.module)
     expected = reference.state_dict()
     report = pipe.describe()
@@ -138,10 +176,42 @@ def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule:
         "loss": max(relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, expected_losses)),
         "params": {name: relative_error(value, expected[name]) for name, value in full.items()},
         "names": [name for name, _ in pipe.module.named_parameters()],
+        "graphs": sorted(graph.kind for graph in compiled),
+        "reduce_scatters": reduce_scatters,
         "sharded": [isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in pipe.module.parameters()],
         "bubble": report.bubble_fraction,
         "released": all(held.tensor.is_meta for stage in pipe.partition.stages for held in stage.state.values()),
         "report": str(report),
+    }
+
+
+# UnevenFrozen's trainable parameters in registration order (the root's own first), with
+# their full gradients' bytes: single 4, temperature (0-d: all-reduced alone), inp.weight
+# 140, inp.bias 20, twice.weight 100, twice.bias 20, narrow.weight 60, narrow.bias 12. In
+# buckets of at most 150 bytes: [single, inp.weight], [inp.bias, twice.weight, twice.bias],
+# [narrow.weight, narrow.bias]; rows not divisible by the ranks (at world size 4 one rank
+# holds none of narrow's).
+BUCKET_BYTES, BUCKETS = 150, 3
+
+
+def _reduce_accumulated_in_buckets(rank: int, world_size: int) -> dict:
+    """Accumulate the uneven model's gradients over two micro-batches with sync off, reduce
+    them in buckets, and compare with the whole batch's eager gradients."""
+    reference, batch = make_model("uneven")
+    model = compshard.shard(copy.deepcopy(reference))
+    reference(*batch).backward()
+    x, y = local_batch(batch, rank, world_size)
+    with compshard.no_sync(model):
+        for micro_batch in zip(x.chunk(2), y.chunk(2)):
+            model(*micro_batch).backward()
+    reduce_scatters = _count_reduce_scatters(
+        lambda: reduce_accumulated_gradients(model, divide_by=2, bucket_bytes=BUCKET_BYTES))
+    expected = {name: p.grad for name, p in reference.named_parameters() if p.requires_grad}
+    got = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
+    return {
+        "reduce_scatters": reduce_scatters,
+        "grads": {name: relative_error(got[name], expected[name]) for name in expected},
+        "frozen_grad": model.frozen.weight.grad,
     }
 
 
@@ -153,15 +223,18 @@ def _run_readme_example() -> str:
     return out.getvalue()
 
 
-CASES = {  # world size -> schedule -> (stages, microbatches, schedule, pass a 1-D pp mesh)
-    2: {"1f1b": (2, 4, "1f1b", False), "gpipe": (2, 4, "gpipe", True)},
-    4: {"1f1b": (2, 2, "1f1b", False), "gpipe": (2, 4, "gpipe", False)},
+CASES = {  # world size -> case -> (stages, microbatches, schedule, pass a 1-D pp mesh, compile)
+    2: {"1f1b": (2, 4, "1f1b", False, True), "gpipe": (2, 4, "gpipe", True, True),
+        "eager": (2, 4, "1f1b", False, False)},
+    4: {"1f1b": (2, 2, "1f1b", False, True), "gpipe": (2, 4, "gpipe", False, True),
+        "eager": (2, 4, "1f1b", False, False)},
 }
 
 
 def pipeline_worker(rank: int, world_size: int) -> dict:
     results = {name: _train(rank, world_size, *case) for name, case in CASES[world_size].items()}
     results["readme"] = _run_readme_example()
+    results["buckets"] = _reduce_accumulated_in_buckets(rank, world_size)
     return results
 
 
@@ -170,14 +243,14 @@ def pipeline_results(request):
     return request.param, run_distributed(pipeline_worker, request.param)
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "gpipe"])
-def test_pipeline_training_matches_single_process_eager(pipeline_results, schedule):
+@pytest.mark.parametrize("case", ["1f1b", "gpipe", "eager"])
+def test_pipeline_training_matches_single_process_eager(pipeline_results, case):
     world_size, results = pipeline_results
-    stages, microbatches, _, _ = CASES[world_size][schedule]
+    stages, microbatches, schedule, _, _ = CASES[world_size][case]
     model, _ = make_model("gpt")
     held = set()
     for rank, result in enumerate(results):
-        got = result[schedule]
+        got = result[case]
         assert got["loss"] <= RTOL, f"rank {rank}: loss relative error {got['loss']:.2e}"
         worst = max(got["params"], key=got["params"].get)
         assert got["params"][worst] <= RTOL, f"rank {rank}: {worst} relative error {got['params'][worst]:.2e}"
@@ -188,6 +261,32 @@ def test_pipeline_training_matches_single_process_eager(pipeline_results, schedu
         assert f"schedule {schedule}" in got["report"] and "bubble fraction" in got["report"]
         held.update(got["names"])
     assert held == {name for name, _ in model.named_parameters()}
+
+
+@pytest.mark.parametrize("case", ["1f1b", "gpipe", "eager"])
+def test_stages_compile_and_reduce_gradients_once_per_step(pipeline_results, case):
+    world_size, results = pipeline_results
+    stages, _, _, _, compile = CASES[world_size][case]
+    sharded = world_size > stages
+    for rank, result in enumerate(results):
+        got = result[case]
+        # one forward and one backward graph per stage (no recompile after the first step)
+        assert got["graphs"] == (["backward", "forward"] if compile else []), f"rank {rank}: {got['graphs']}"
+        assert f"{'compiled' if compile else 'eager'} stages" in got["report"]
+        # one reduce-scatter per bucket and step, not one per micro-batch: a stage of the
+        # test GPT is one bucket (far below bucket_mb)
+        expected = 1 if sharded else 0
+        assert got["reduce_scatters"] == expected, f"rank {rank}: {got['reduce_scatters']} reduce-scatters in a step"
+
+
+def test_accumulated_gradients_reduce_in_buckets(pipeline_results):
+    _, results = pipeline_results
+    for rank, result in enumerate(results):
+        got = result["buckets"]
+        assert got["reduce_scatters"] == BUCKETS, f"rank {rank}: {got['reduce_scatters']} reduce-scatters"
+        worst = max(got["grads"], key=got["grads"].get)
+        assert got["grads"][worst] <= RTOL, f"rank {rank}: {worst} gradient relative error {got['grads'][worst]:.2e}"
+        assert got["frozen_grad"] is None
 
 
 def test_readme_pipeline_example_runs(pipeline_results):
