@@ -85,6 +85,28 @@ class Routed(nn.Module):
         return self.moe(x)
 
 
+def _train_sgd(sharded: nn.Module, batch: torch.Tensor, compiled: bool, steps: int = 3) -> dict[str, torch.Tensor]:
+    """``steps`` SGD steps of a sharded model (compiled or not) on this rank's batch
+    (a loss-returning model); its full state dict after them."""
+    step = torch.compile(sharded, backend="compshard") if compiled else sharded
+    opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
+    for _ in range(steps):
+        step(batch).backward()
+        opt.step()
+        opt.zero_grad()
+    return compshard.full_state_dict(sharded)
+
+
+def _train_sgd_reference(model: nn.Module, batches: torch.Tensor, steps: int = 3) -> None:
+    """The truth for :func:`_train_sgd` on ``batches[rank]``: eager SGD on the mean over
+    ranks of the per-rank losses (each rank's loss weighs the same)."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        (sum(model(batch) for batch in batches) / len(batches)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
 def _routing_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(rank)  # different parameters per rank: shard broadcasts rank 0's
     model = Routed()
@@ -95,21 +117,10 @@ def _routing_worker(rank: int, world_size: int) -> dict:
     results = {}
     for compiled in (False, True):
         torch.manual_seed(rank)
-        sharded = compshard.shard(Routed())
-        step = torch.compile(sharded, backend="compshard") if compiled else sharded
-        opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
-        for _ in range(3):
-            step(data[rank]).backward()
-            opt.step()
-            opt.zero_grad()
-        results[compiled] = compshard.full_state_dict(sharded)
+        results[compiled] = _train_sgd(compshard.shard(Routed()), data[rank], compiled)
     reference = Routed()
     reference.load_state_dict(rank0_init)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(3):  # the mean over ranks of per-rank means: each rank's loss weighs the same
-        (sum(reference(d) for d in data) / world_size).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    _train_sgd_reference(reference, data)
     experts_hit = len(reference.moe.router(data[rank]).argmax(-1).unique())
     return {"experts_hit": experts_hit, "initial_from_rank0": torch.equal(model.moe.weight, rank0_init["moe.weight"]),
             **{f"{'compiled' if c else 'eager'}_{key}": relative_error(value, reference.state_dict()[key])
@@ -173,21 +184,9 @@ def _expert_modules_worker(rank: int, world_size: int) -> dict:
     torch.manual_seed(3)
     data = torch.randn(world_size, 5, 8) * 2
     hit = [sorted(block.router(block.norm(data[rank])).argmax(-1).unique().tolist()) for block in reference.blocks]
-    results = {}
-    for compiled in (False, True):
-        sharded = compshard.shard(copy.deepcopy(reference))
-        step = torch.compile(sharded, backend="compshard") if compiled else sharded
-        opt = torch.optim.SGD(sharded.parameters(), lr=0.1)
-        for _ in range(3):
-            step(data[rank]).backward()
-            opt.step()
-            opt.zero_grad()
-        results[compiled] = compshard.full_state_dict(sharded)
-    ref_opt = torch.optim.SGD(reference.parameters(), lr=0.1)
-    for _ in range(3):
-        (sum(reference(d) for d in data) / world_size).backward()
-        ref_opt.step()
-        ref_opt.zero_grad()
+    results = {compiled: _train_sgd(compshard.shard(copy.deepcopy(reference)), data[rank], compiled)
+               for compiled in (False, True)}
+    _train_sgd_reference(reference, data)
     return {"hit": hit, **{f"{'compiled' if c else 'eager'} {key}": relative_error(value, reference.state_dict()[key])
                            for c, state in results.items() for key, value in state.items()}}
 
