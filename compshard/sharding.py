@@ -21,11 +21,12 @@ is registered under every name the original was.
 
 from __future__ import annotations
 
+import fnmatch
 import functools
 import warnings
 import weakref
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, Sequence, get_args
 
 import torch
 import torch.distributed as dist
@@ -36,7 +37,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from compshard import cost_model, eager_gather, ops
 from compshard.grad_sync import GradSync
-from compshard.module_tree import repeated_block, repeated_containers
+from compshard.module_tree import outermost_match, repeated_block, repeated_containers
 
 __all__ = ["shard", "sharding_config", "ShardingConfig", "ParamSpec", "param_specs", "is_sharded", "plain_class",
            "STRATEGIES"]
@@ -56,6 +57,7 @@ class ShardingConfig:
     ``offload``: ``"off"``, ``"pinned_cpu"`` (shards, gradients and optimizer state in
     pinned CPU memory, the optimizer stepping on CPU) or ``"nothing_to_offload"`` (asked
     for on a CPU-only run, where everything already lives in CPU memory).
+    ``gather_units``: the patterns given (``None``: repeated blocks only).
     """
 
     strategy: str
@@ -68,6 +70,7 @@ class ShardingConfig:
     cast_forward_inputs: bool
     buffer_dtype: torch.dtype | None
     offload: str
+    gather_units: tuple[str, ...] | None
 
 
 @dataclass(frozen=True)
@@ -262,6 +265,7 @@ def shard(
     cast_forward_inputs: bool = True,
     buffer_dtype: torch.dtype | None = None,
     offload: bool = False,
+    gather_units: Sequence[str] | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the data-parallel ranks, in place; return it.
 
@@ -296,6 +300,15 @@ def shard(
             CPU memory, the optimizer stepping on CPU; each use copies the shard to the GPU
             first. CUDA only: on a CPU-only run it is accepted with a warning, and
             ``sharding_config(module).offload`` is ``"nothing_to_offload"``.
+        gather_units: module-name patterns (``fnmatch``, e.g. ``["moe"]``, ``["layers.*"]``)
+            of modules that gather every parameter beneath them on entry to each call
+            (the outermost match wins; every pattern must match a module). Beneath the
+            other modules, each repeated block (``layers.3``) is such a unit, as FSDP2
+            gathers per wrapped block. A module that the data decide to call on some
+            ranks only (experts held as modules of a ``ModuleList``, called for the
+            tokens routed to them) must lie inside a unit that every rank calls: inside a
+            repeated block it does; a lone MoE layer outside any block needs its pattern
+            here. The trade-off is memory: a unit's parameters are all gathered while it runs.
 
     Collective: parameters and buffers are first broadcast from the mesh's first rank (as
     DDP does), so ranks may start from different initializations; the first call on a
@@ -315,6 +328,7 @@ def shard(
         _check_dtype(option, dtype)
     _check_flag("cast_forward_inputs", cast_forward_inputs)
     _check_mesh(strategy, mesh)
+    gather_units = _check_gather_units(module, gather_units)
     if mesh is None:
         mesh = _default_mesh(module)
     offload_state, compute_device = _offload_device(offload, module, mesh)
@@ -354,7 +368,7 @@ def shard(
         sub._compshard_specs = specs
         sub._compshard_grad_sync = grad_sync
         _install_properties(sub, names)
-    _install_gather_units(module)
+    _install_gather_units(module, gather_units or ())
     if buffer_dtype is not None:
         for sub in module.modules():
             for name, buffer in sub._buffers.items():
@@ -362,19 +376,35 @@ def shard(
                     sub._buffers[name] = buffer.to(buffer_dtype)
     _refuse_stale_optimizers()
     config = ShardingConfig(strategy, groups.shard_size, groups.replicate_size, reshard_after_forward, param_dtype,
-                            reduce_dtype, output_dtype, cast_forward_inputs, buffer_dtype, offload_state)
+                            reduce_dtype, output_dtype, cast_forward_inputs, buffer_dtype, offload_state,
+                            gather_units)
     module._compshard_config = config
     module._compshard_grad_sync = grad_sync
     _install_casts(module, config)
     return module
 
 
-def _install_gather_units(root: nn.Module) -> None:
+def _check_gather_units(module: nn.Module, gather_units: Sequence[str] | None) -> tuple[str, ...] | None:
+    if gather_units is None:
+        return None
+    if isinstance(gather_units, str) or not all(isinstance(p, str) and p for p in gather_units):
+        raise TypeError(f"compshard.shard: gather_units must be a list of module-name patterns (non-empty strings) "
+                        f"or None, got {gather_units!r}")
+    names = [name for name, _ in module.named_modules() if name]
+    unmatched = [p for p in gather_units if not any(fnmatch.fnmatchcase(name, p) for name in names)]
+    if unmatched:
+        raise ValueError(f"compshard.shard: gather_units pattern(s) {unmatched} match no submodule; module names "
+                         f"look like {names[:6]}")
+    return tuple(gather_units)
+
+
+def _install_gather_units(root: nn.Module, patterns: Sequence[str]) -> None:
     """Give every sharded parameter its gather unit (:mod:`compshard.eager_gather`): the
-    outermost repeated block it lies in, covering every parameter beneath the block; else
-    its own module, unless that is a torch.nn layer that reads each parameter once (a
-    gather at the read is the gather at entry) or the root (whose hooks would run outside
-    its compiled forward, as graphs of their own)."""
+    outermost module matching ``patterns``, else the outermost repeated block it lies in,
+    either covering every parameter beneath it; else its own module, unless that is a
+    torch.nn layer that reads each parameter once (a gather at the read is the gather at
+    entry) or the root (whose hooks would run outside its compiled forward, as graphs of
+    their own)."""
     owners: dict[int, tuple[str, nn.Module]] = {}
     for prefix, sub in root.named_modules(remove_duplicate=False):
         if hasattr(sub, "_compshard_specs"):
@@ -382,7 +412,7 @@ def _install_gather_units(root: nn.Module) -> None:
     containers = repeated_containers(prefix for prefix, _ in owners.values())
     units: dict[int, tuple[nn.Module, dict[str, tuple[nn.Module, str]]]] = {}
     for prefix, sub in owners.values():
-        block = repeated_block(prefix, containers)
+        block = outermost_match(prefix, patterns) or repeated_block(prefix, containers)
         if block is not None:
             unit = root.get_submodule(block)
         elif sub is not root and eager_gather.needs_call_scope(sub):

@@ -44,6 +44,8 @@ def test_torch_compile_reports_bad_options():
         ({"reduce_dtype": "bf16"}, ValueError, "reduce_dtype='bf16' is not allowed"),
         ({"reshard_after_forward": 1}, TypeError, "reshard_after_forward must be True or False"),
         ({"mesh": "world"}, ValueError, "mesh must be a 1-D DeviceMesh or None"),
+        ({"gather_units": "net"}, TypeError, "gather_units must be a list of module-name patterns"),
+        ({"gather_units": ["decoder.*"]}, ValueError, "gather_units pattern(s) ['decoder.*'] match no submodule"),
     ],
 )
 def test_bad_shard_arguments(kwargs, error, message):

@@ -178,28 +178,39 @@ class ModuleListMoE(nn.Module):
         return self.head(x).pow(2).mean()
 
 
+# (MoE blocks, shard options): two blocks gather their experts as repeated blocks; a
+# lone MoE layer is no repeated block (its experts would be), so it is named a unit.
+EXPERT_CASES = {"in blocks": (2, {}), "lone layer, gather_units": (1, {"gather_units": ["blocks.*"]})}
+
+
 def _expert_modules_worker(rank: int, world_size: int) -> dict:
-    torch.manual_seed(0)
-    reference = ModuleListMoE()
     torch.manual_seed(3)
     data = torch.randn(world_size, 5, 8) * 2
-    hit = [sorted(block.router(block.norm(data[rank])).argmax(-1).unique().tolist()) for block in reference.blocks]
-    results = {compiled: _train_sgd(compshard.shard(copy.deepcopy(reference)), data[rank], compiled)
-               for compiled in (False, True)}
-    _train_sgd_reference(reference, data)
-    return {"hit": hit, **{f"{'compiled' if c else 'eager'} {key}": relative_error(value, reference.state_dict()[key])
-                           for c, state in results.items() for key, value in state.items()}}
+    results = {}
+    for case, (blocks, shard_options) in EXPERT_CASES.items():
+        torch.manual_seed(0)
+        reference = ModuleListMoE(blocks)
+        hit = [sorted(block.router(block.norm(data[rank])).argmax(-1).unique().tolist()) for block in reference.blocks]
+        trained = {compiled: _train_sgd(compshard.shard(copy.deepcopy(reference), **shard_options), data[rank], compiled)
+                   for compiled in (False, True)}
+        _train_sgd_reference(reference, data)
+        results[case] = {"hit": hit, "errors": {
+            f"{'compiled' if c else 'eager'} {key}": relative_error(value, reference.state_dict()[key])
+            for c, state in trained.items() for key, value in state.items()}}
+    return results
 
 
 def test_expert_modules_called_on_some_ranks_only_train_as_eager():
-    """Each block gathers every parameter beneath it on entry (as FSDP2 does per wrapped
-    block), so an expert module one rank skips is gathered, and its gradient reduced, on
-    every rank: the same collectives in the same order."""
-    results = run_distributed(_expert_modules_worker, 2, timeout=240, pg_timeout=60)
-    assert results[0]["hit"] != results[1]["hit"], "the ranks must route to different experts"
-    for result in results:
-        errors = {key: value for key, value in result.items() if key != "hit"}
-        assert max(errors.values()) < 1e-5, errors
+    """A unit (each repeated block, or a module named in ``gather_units``) gathers every
+    parameter beneath it on entry (as FSDP2 does per wrapped block), so an expert module
+    one rank skips is gathered, and its gradient reduced, on every rank: the same
+    collectives in the same order."""
+    results = run_distributed(_expert_modules_worker, 2, timeout=300, pg_timeout=60)
+    for case in EXPERT_CASES:
+        assert results[0][case]["hit"] != results[1][case]["hit"], f"{case}: the ranks must route to different experts"
+        for result in results:
+            errors = result[case]["errors"]
+            assert max(errors.values()) < 1e-5, (case, errors)
 
 
 def _partial_recompile_worker(rank: int, world_size: int) -> dict:

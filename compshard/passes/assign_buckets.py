@@ -37,7 +37,7 @@ from torch import fx
 from compshard.compile_plan import Bucket, BucketPlan, MiB
 from compshard.ops import ShardLayout
 from compshard.passes.context import PassContext
-from compshard.module_tree import module_of, repeated_block, repeated_containers
+from compshard.module_tree import module_of, outermost_match, repeated_block, repeated_containers
 from compshard.passes.fx_utils import backward_nodes, compshard_ops, gathered_chain, is_op, node_order, unshard_args
 
 
@@ -54,12 +54,8 @@ class BucketParam:
 
 
 def _pattern_module(param: str, patterns: list[str]) -> str | None:
-    parts = module_of(param).split(".") if module_of(param) else []
-    for i in range(1, len(parts) + 1):
-        prefix = ".".join(parts[:i])
-        if any(fnmatch.fnmatchcase(prefix, pattern) for pattern in patterns):
-            return prefix
-    return param if any(fnmatch.fnmatchcase(param, pattern) for pattern in patterns) else None
+    return outermost_match(module_of(param), patterns) or (
+        param if any(fnmatch.fnmatchcase(param, pattern) for pattern in patterns) else None)
 
 
 def _named_groups(params: list[BucketParam], options) -> list[tuple[str | None, list[BucketParam]]]:
