@@ -33,7 +33,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cli import add_workload_arguments, make_parser
+from cli import add_workload_arguments, make_parser, parse_workload_arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                              "wait on each other's time slices, and step times swing by a factor of two)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON file to write (default: benchmarks/results/plan_ws<world size>.json)")
-    args = parser.parse_args(argv)
+    args = parse_workload_arguments(parser, argv)
     if min(args.steps, args.warmup, args.batch, args.layers, args.threads) < 1:
         parser.error("--steps, --warmup, --batch, --layers and --threads must be at least 1")
     try:
