@@ -546,16 +546,19 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
         with _fake_world(job.world_size, shard_size, job.machine, compute_dtype) as mesh:
             shard(model, mesh=mesh, **sharding)
             schedule = inspect(model, *args, options=options, **kwargs)
+            kinds = {name: name.partition(".")[0] for name in schedule.graphs}  # "forward.1" -> "forward"
+            # Inside the fake world: a collective's backend scratch (gloo's) is known only
+            # while its simulated process group exists; outside it would count as none.
+            peaks = {name: _peak_breakdown(gm, _inputs_storage(schedule.graphs, name, kinds[name]))
+                     for name, gm in schedule.graphs.items()}
     finally:
         torch._dynamo.reset()  # planning's compiled code (on fake tensors) is of no further use
-    kinds = {name: name.partition(".")[0] for name in schedule.graphs}  # "forward.1" -> "forward"
     if "backward" not in kinds.values():
         raise ValueError("compshard.plan: the model's output does not require grad; plan predicts a training step")
     _price_with_timings(schedule, job.machine)
     timelines = schedule.timelines
     return _Estimates(
-        peaks={name: _peak_breakdown(gm, _inputs_storage(schedule.graphs, name, kinds[name]))
-               for name, gm in schedule.graphs.items()},
+        peaks=peaks,
         forward=sum(timelines[name].total for name, kind in kinds.items() if kind == "forward"),
         backward=sum(timelines[name].total for name, kind in kinds.items() if kind == "backward"),
         communication=sum(t.comm for t in timelines.values()),
