@@ -21,7 +21,9 @@ communication, not memory, is the bottleneck.
 When no synced forward follows the accumulation (a pipeline schedule runs the forward of
 its last micro-batch before the backwards of earlier ones, so no forward can fold them),
 :func:`reduce_accumulated_gradients` reduces every accumulated gradient once, explicitly,
-in buckets (one collective for many parameters).
+in buckets (one collective for many parameters). It also reduces the full gradients
+accumulated on parameters gathered once for the step (:mod:`compshard.step_gather`),
+where no parameter read runs ``unshard`` at all.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class GradSync:
         self.eager = EagerReductions()  # uncompiled gathers awaiting their gradients
         self.specs: dict[str, Any] = {}
         self.sinks: dict[str, torch.Tensor] = {}  # parameter name -> zero-stride full-shape leaf
+        # parameter name -> full tensor gathered for the step, which parameter reads return and
+        # whose .grad accumulates; None outside compshard.step_gather.gathered_for_step
+        self.step_gathered: dict[str, torch.Tensor] | None = None
 
     def claim(self, param: str) -> tuple[str, torch.Tensor | None]:
         """``(grad_sync, grad_sink)`` arguments of the parameter's next ``unshard``, claimed
@@ -73,11 +78,26 @@ class GradSync:
         sink.grad = None
         return "fold", accumulated
 
+    def take_accumulated(self, name: str) -> torch.Tensor | None:
+        """The full gradient of parameter ``name`` accumulated since the last reduction, in
+        the reduce dtype, taken out of where it accumulates: the ``.grad`` of its
+        step-gathered tensor (:mod:`compshard.step_gather`), else of its gradient sink.
+        Zeros when nothing accumulated; ``None`` for a frozen parameter, or one whose
+        gradients do not accumulate (sync never turned off, no step gathering)."""
+        holder = self.step_gathered.get(name) if self.step_gathered is not None else self.sinks.get(name)
+        if holder is None or not holder.requires_grad:
+            return None
+        spec = self.specs[name]
+        grad = holder.grad if holder.grad is not None else torch.zeros(spec.full_shape, dtype=holder.dtype,
+                                                                       device=holder.device)
+        holder.grad = None
+        return grad.to(spec.reduce_dtype) if spec.reduce_dtype is not None else grad
+
     def reduce_accumulated(self, params: Mapping[str, nn.Parameter], *, divide_by: int = 1,
                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """Reduce every gradient sink's accumulated gradient once, divide this rank's rows by
-        ``divide_by`` and add them to the parameter's ``.grad`` (``params``: name ->
-        parameter); the sinks are left empty.
+        """Reduce every accumulated gradient (:meth:`take_accumulated`) once, divide this
+        rank's rows by ``divide_by`` and add them to the parameter's ``.grad`` (``params``:
+        name -> parameter); what held them is left empty.
 
         Parameters are taken in registration order (the same collectives in the same order
         on every rank) into buckets of consecutive parameters with the same groups and
@@ -87,16 +107,13 @@ class GradSync:
         bucket (plus the op's divided copy) beside the full gradients, each released once
         its bucket is reduced.
 
-        A sink that accumulated nothing contributes zeros, so that every rank issues the
-        same collectives whatever ran: its parameter then gets a zero gradient, not ``None``."""
+        A parameter that accumulated nothing contributes zeros, so that every rank issues
+        the same collectives whatever ran: it then gets a zero gradient, not ``None``."""
         bucket: list[_Accumulated] = []
         for name, spec in self.specs.items():
-            sink = self.sinks.get(name)
-            if sink is None:  # frozen parameter, or gradient sync never turned off
+            grad = self.take_accumulated(name)
+            if grad is None:
                 continue
-            grad = sink.grad if sink.grad is not None else torch.zeros(spec.full_shape, dtype=sink.dtype,
-                                                                       device=sink.device)
-            sink.grad = None
             item = _Accumulated(spec, grad, params[name])
             if not spec.full_shape:
                 _reduce_and_accumulate([item], divide_by)
@@ -160,7 +177,7 @@ def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
     return [flat.view(layout.local_shape) for flat, layout in zip(flats, layouts)]
 
 
-def _state(module: nn.Module) -> GradSync:
+def grad_sync_state(module: nn.Module) -> GradSync:
     state = getattr(module, "_compshard_grad_sync", None)
     if state is None or not hasattr(module, "_compshard_config"):  # a submodule shares its root's state
         raise ValueError("compshard: gradient sync is set on the module passed to compshard.shard; "
@@ -175,7 +192,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     together with its own gradient. Every rank must make the same calls."""
     if not isinstance(requires_gradient_sync, bool):
         raise TypeError(f"compshard: requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
-    state = _state(module)
+    state = grad_sync_state(module)
     state.requires_sync = requires_gradient_sync
     if requires_gradient_sync:
         return
@@ -196,7 +213,7 @@ def reduce_accumulated_gradients(module: nn.Module, *, divide_by: int = 1,
     ``divide_by`` (see :meth:`GradSync.reduce_accumulated`). Every rank must call it at
     the same point."""
     with torch.no_grad():
-        _state(module).reduce_accumulated(dict(module.named_parameters()), divide_by=divide_by,
+        grad_sync_state(module).reduce_accumulated(dict(module.named_parameters()), divide_by=divide_by,
                                           bucket_bytes=bucket_bytes)
 
 
