@@ -23,18 +23,20 @@ When a sharded stage gathers its parameters is the ``reshard`` option (see
   hold no collective), and they are released when ``step`` returns. The stage's full
   parameters are held for the whole step (``dp`` times its shards), as FSDP2 holds a
   root unit under torch's pipeline schedules; nothing is gathered while computing.
-- ``"per_microbatch"``: every micro-batch gathers what it reads in its forward and again
-  in its backward (compiled: bucketed, prefetched and freed after last use, as the
-  compshard backend schedules any model; eager: one blocking all-gather per parameter
-  read): ``2 M`` gathers of each bucket per step, with only the buckets in use held.
+- ``"per_microbatch"``: each of the ``M`` micro-batches gathers what its forward reads,
+  and again what its backward reads (compiled: in buckets, prefetched and freed after
+  their last use, as the compshard backend schedules any model; eager: one blocking
+  all-gather per parameter read), holding only the buckets in use: up to ``2 M``
+  gathers of each bucket per step.
 
 Gradients of a sharded stage are reduced once per step, not once per micro-batch: the
 backwards of the ``M`` micro-batches accumulate the full gradient of every parameter
-locally (on the gathered parameters; ``per_microbatch``: with gradient sync off,
-:func:`compshard.no_sync`), and after the schedule
-:func:`compshard.grad_sync.reduce_accumulated_gradients` reduce-scatters the sums once, in buckets of consecutive parameters (registration order,
-the same on every rank of the stage's ``dp`` group; at most the compile option
-``bucket_mb`` of full gradients each), divided by ``M`` as the schedule's mean asks.
+locally (``per_step``: on the gathered parameters; ``per_microbatch``: with gradient
+sync off, :func:`compshard.no_sync`), and after the schedule
+:func:`compshard.grad_sync.reduce_accumulated_gradients` reduce-scatters the sums once,
+in buckets of consecutive parameters (registration order, the same on every rank of the
+stage's ``dp`` group; at most the compile option ``bucket_mb`` of full gradients each),
+divided by ``M`` as the schedule's mean asks.
 Trade-off: one reduce-scatter per bucket and step instead of one per bucket and
 micro-batch (and none inside the compiled backwards, so none overlaps backward compute),
 for one *full-size* gradient per parameter of the stage held from its first backward to
@@ -65,8 +67,8 @@ from compshard.pipeline_stages import Partition, build_stage_module, partition_s
 from compshard.sharding import shard
 from compshard.step_gather import gathered_for_step
 
-__all__ = ["Pipeline", "PipelineReport", "RESHARD_MODES", "Reshard", "SCHEDULES", "bubble_fraction", "mean_step_loss", "pipeline",
-           "sum_tied_gradients", "tied_gradient_groups"]
+__all__ = ["Pipeline", "PipelineReport", "RESHARD_MODES", "Reshard", "SCHEDULES", "bubble_fraction",
+           "mean_step_loss", "pipeline", "sum_tied_gradients", "tied_gradient_groups"]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 

@@ -141,7 +141,8 @@ def _all_gather(bucket: list[_Shard]) -> list[torch.Tensor]:
     return [flat.view(item.spec.full_shape) for flat, item in zip(flats, bucket)]
 
 
-def _as_leaves(items: list[_Shard], full: list[torch.Tensor], params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+def _as_leaves(items: list[_Shard], full: list[torch.Tensor],
+               params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
     """The gathered tensors as autograd leaves that accumulate their parameter's full
     gradient (frozen parameters stay without grad)."""
     return {item.spec.fqn: tensor.detach().requires_grad_(params[item.spec.fqn].requires_grad)
