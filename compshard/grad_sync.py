@@ -147,8 +147,12 @@ def _nbytes(bucket: list[_Accumulated]) -> int:
 
 
 def _reduce_and_accumulate(bucket: list[_Accumulated], divide_by: int) -> None:
-    for item, local_grad in zip(bucket, _reduce_bucket(bucket)):
-        accumulate_grad(item.param, local_grad / divide_by if divide_by != 1 else local_grad)
+    """Reduce ``bucket`` and add this rank's rows, divided by ``divide_by``, to its
+    parameters' ``.grad``. Empties ``bucket``, so that each full gradient is released once
+    packed for the collective (it is referenced nowhere else)."""
+    params = [item.param for item in bucket]
+    for param, local_grad in zip(params, _reduce_bucket(bucket)):
+        accumulate_grad(param, local_grad / divide_by if divide_by != 1 else local_grad)
 
 
 def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
@@ -157,23 +161,25 @@ def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
     ``[world_size, S]`` tensor holds rank ``r``'s rows of every gradient, zero-padded, as
     the compiled backward packs a bucket), reduced as that tensor, whose ``Shard(0)`` row
     is this rank's, then unpacked. The arithmetic per element is the op's for each
-    gradient alone. A replicated (0-d) parameter goes alone, as itself."""
+    gradient alone. A replicated (0-d) parameter goes alone, as itself. Empties ``bucket``
+    (a 0-d parameter's excepted)."""
     first = bucket[0]
-    spec, world_size = first.spec, first.spec.world_size
-    if len(bucket) == 1 and not spec.full_shape:
+    spec, world_size, shard_dtype = first.spec, first.spec.world_size, first.param.dtype
+    if not spec.full_shape:
         return [torch.ops.compshard.reduce_grad(first.grad, [], world_size, spec.group_name, spec.fqn, None,
-                                                first.param.dtype, spec.replicate_group)]
+                                                shard_dtype, spec.replicate_group)]
     rank = group_rank(spec.group_name)
     layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]
     shard_numels = [layout.padded_shard_numel for layout in layouts]
+    label = spec.fqn if len(bucket) == 1 else f"{spec.fqn} and {len(bucket) - 1} more"
     packed = torch.ops.compshard.reduce_scatter_copy_in([item.grad for item in bucket], shard_numels, world_size,
                                                        first.grad.dtype, None)
-    label = spec.fqn if len(bucket) == 1 else f"{spec.fqn} and {len(bucket) - 1} more"
+    del first
+    bucket.clear()  # the full gradients are packed: release them before the reduction allocates
     reduced = torch.ops.compshard.reduce_grad(packed, [world_size, sum(shard_numels)], world_size, spec.group_name,
-                                              label, None, first.param.dtype, spec.replicate_group)
+                                              label, None, shard_dtype, spec.replicate_group)
     local_numels = [math.prod(layout.local_shape) for layout in layouts]
-    flats = torch.ops.compshard.reduce_scatter_copy_out(reduced.view(-1), shard_numels, local_numels,
-                                                        first.param.dtype)
+    flats = torch.ops.compshard.reduce_scatter_copy_out(reduced.view(-1), shard_numels, local_numels, shard_dtype)
     return [flat.view(layout.local_shape) for flat, layout in zip(flats, layouts)]
 
 
