@@ -81,12 +81,15 @@ class GradSync:
     def take_accumulated(self, name: str) -> torch.Tensor | None:
         """The full gradient of parameter ``name`` accumulated since the last reduction, in
         the reduce dtype, taken out of where it accumulates: the ``.grad`` of its
-        step-gathered tensor (:mod:`compshard.step_gather`), else of its gradient sink.
+        step-gathered tensor (:mod:`compshard.step_gather`), which is released with it
+        (taking the gradient ends the parameter's step), else of its gradient sink.
         Zeros when nothing accumulated; ``None`` for a frozen parameter, or one whose
         gradients do not accumulate (sync never turned off, no step gathering)."""
         holder = self.step_gathered.get(name) if self.step_gathered is not None else self.sinks.get(name)
         if holder is None or not holder.requires_grad:
             return None
+        if self.step_gathered is not None:
+            del self.step_gathered[name]
         spec = self.specs[name]
         grad = holder.grad if holder.grad is not None else torch.zeros(spec.full_shape, dtype=holder.dtype,
                                                                        device=holder.device)

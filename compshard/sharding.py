@@ -104,7 +104,11 @@ def _unshard(module: nn.Module, name: str) -> torch.Tensor:
     spec = module._compshard_specs[name]
     step_gathered = module._compshard_grad_sync.step_gathered
     if step_gathered is not None:  # compshard.step_gather: gathered once for the step
-        return step_gathered[spec.fqn]
+        gathered = step_gathered.get(spec.fqn)
+        if gathered is None:
+            raise RuntimeError(f"compshard: parameter '{spec.fqn}' read after reduce_accumulated_gradients "
+                               "released it, ending its step (compshard.step_gather.gathered_for_step)")
+        return gathered
     param = module._parameters[name]
     shard = _local(param)
     if spec.compute_device is not None:

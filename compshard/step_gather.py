@@ -7,8 +7,10 @@ returns that parameter's full tensor gathered on entry, instead of gathering it
 in the block run with no collective at all, and every backward accumulates each
 parameter's *full* gradient into the gathered tensor's ``.grad`` (in the gathered dtype).
 :func:`compshard.grad_sync.reduce_accumulated_gradients`, called inside the block,
-reduce-scatters those sums once, in buckets; leaving the block drops the gathered
-tensors (and any gradient not reduced).
+reduce-scatters those sums once, in buckets, and ends the step: it releases each
+trainable gathered parameter with its gradient, before its bucket's reduction allocates
+(no parameter may be read after it). Leaving the block drops what is left (frozen
+parameters, and everything when the block ends without a reduction).
 
 Entry gathers in buckets: the parameters in registration order (the same on every rank)
 into buckets of consecutive parameters with the same shard group, gathered dtype and
@@ -20,8 +22,8 @@ separate, non-aliasing inputs) and requires grad as its parameter does.
 
 Trade-off, memory against communication: one all-gather per bucket and step instead of
 one (or two, with ``reshard_after_forward``) per bucket and micro-batch, for holding the
-module's full parameters (``shard_size`` times its shards) from entry to exit, with its
-full gradients beside them from the first backward to the reduction (as
+module's full parameters (``shard_size`` times its shards) from entry to the reduction,
+with its full gradients beside them from the first backward (as
 ``compshard.no_sync`` holds those). That is what FSDP2 does for a root unit under a
 pipeline schedule (gathered once, resharded after the last micro-batch's backward). No
 gather overlaps compute: entry waits for every bucket.
