@@ -1,7 +1,7 @@
 """Pipeline benchmark: compshard.pipeline against torch.distributed.pipelining with FSDP2 stages.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_pipeline.py
-    torchrun --standalone --nproc-per-node 4 benchmarks/bench_pipeline.py --systems compshard,compshard-eager,fsdp2
+    torchrun --standalone --nproc-per-node 4 benchmarks/bench_pipeline.py --systems compshard,compshard-per-microbatch,fsdp2
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_pipeline.py --microbatches 8 --options '{"prefetch": 1}'
 
 The ranks form a (pp, dp) mesh: --stages pipeline stages, each sharded over
@@ -11,17 +11,20 @@ the same place (compshard.pipeline_stages on one micro-batch; the benchmark chec
 the cuts agree), with the same schedule and micro-batches, in the same processes:
 
 - compshard: compshard.pipeline: each stage sharded with compshard.shard and compiled
-  with the compshard backend (--options are its compile options); gradients accumulate
-  over the micro-batches and are reduce-scattered once per step, one collective per
-  parameter.
-- compshard-eager: the same with compile=False.
+  with the compshard backend (--options are its compile options), reshard="per_step"
+  (the default): the stage's parameters are all-gathered once per step, in buckets of at
+  most bucket_mb, and held through every micro-batch; gradients accumulate over the
+  micro-batches and are reduce-scattered once per step, in buckets.
+- compshard-per-microbatch: the same with reshard="per_microbatch": each micro-batch's
+  compiled forward and backward gather the buckets they read (only those held).
+- compshard-eager: compshard with compile=False.
 - fsdp2: each stage module (the same FX graph module compshard.pipeline builds) is one
   torch.distributed.fsdp.fully_shard unit (its submodules hold attributes and are never
   called, so a unit per block would never gather) run by torch.distributed.pipelining's
   PipelineStage, which turns FSDP2's gradient sync off for the micro-batches and reduces
   once per step (one reduce-scatter per stage). Profiled on the default GPT it also
-  all-gathers once per step: the stage's parameters stay gathered through the step,
-  where compshard gathers its buckets in every micro-batch's forward and backward graph.
+  all-gathers once per step: the stage's parameters stay gathered through the step, as
+  compshard's reshard="per_step" holds them.
 
 Tied parameters (the GPT's wte / lm_head) have their gradients summed across the stages
 that hold them in every system (compshard.pipeline's own helpers). The optimizer is
@@ -30,10 +33,14 @@ AdamW (lr 1e-3) on each stage's parameters.
 Warm-up steps (compilation happens there) come first, system by system, then the timed
 steps round-robin, one step of each system in turn (ranks aligned by a barrier before
 each step; a step is the schedule's forward and backward over all micro-batches, the
-gradient reductions and the optimizer step). Reported per system: the median step time
-(the largest per-rank median), its ratio to fsdp2's, and the final global-mean loss with
-its relative difference from fsdp2's (the systems compute the same training, so the
-losses must agree to 1e-5). A table is printed on rank 0 and a JSON file (--out) holds
+gradient reductions and the optimizer step). After the timed steps, each
+system runs one more step under the profiler for its peak tensor memory per rank
+(harness.peak_tensor_bytes: parameters, gradients and optimizer state held at the
+step's start plus the largest rise of allocations during it). Reported per system: the
+median step time (the largest per-rank median), its ratio to fsdp2's, the peak tensor
+memory (the largest over ranks; every rank's in the JSON), and the final global-mean
+loss of the timed steps with its relative difference from fsdp2's (the systems compute
+the same training, so the losses must agree to 1e-5). A table is printed on rank 0 and a JSON file (--out) holds
 the configuration, the command, torch version, device and every number.
 
 Caveat: on a 2-core CPU, 4 processes contend for the cores with each other and gloo's
@@ -50,11 +57,11 @@ import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 
 from cli import add_workload_arguments, make_parser, parse_workload_arguments
 
-SYSTEM_NAMES = ("compshard", "compshard-eager", "fsdp2")
+SYSTEM_NAMES = ("compshard", "compshard-per-microbatch", "compshard-eager", "fsdp2")
 SCHEDULE_NAMES = ("1f1b", "gpipe")  # compshard.pipeline.SCHEDULES (checked below)
 LOSS_RTOL = 1e-5
 
@@ -102,7 +109,8 @@ from compshard import cost_model  # noqa: E402
 from compshard.models import GPTConfig  # noqa: E402
 from compshard.pipeline import SCHEDULES, mean_step_loss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
 from compshard.pipeline_stages import Partition, build_stage_module, partition_stages  # noqa: E402
-from harness import init_distributed, make_workload, progress, write_results  # noqa: E402
+from harness import (  # noqa: E402
+    init_distributed, make_workload, peak_tensor_bytes, progress, state_bytes, write_results)
 
 assert set(SCHEDULES) == set(SCHEDULE_NAMES), "SCHEDULE_NAMES lists compshard.pipeline.SCHEDULES for --help"
 
@@ -113,8 +121,17 @@ def gpt_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
 
 
-def with_optimizer(params: list[nn.Parameter], pipeline_step: Step) -> Step:
-    opt = torch.optim.AdamW(params, lr=1e-3)
+class System(NamedTuple):
+    """One system's training step, its cut, and what it holds (for peak memory)."""
+
+    step: Step
+    partition: Partition
+    stage: nn.Module  # this rank's stage module
+    opt: torch.optim.Optimizer
+
+
+def with_optimizer(stage: nn.Module, pipeline_step: Step, partition: Partition) -> System:
+    opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
 
     def step() -> torch.Tensor:
         loss = pipeline_step()
@@ -122,20 +139,28 @@ def with_optimizer(params: list[nn.Parameter], pipeline_step: Step) -> Step:
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return step
+    return System(step, partition, stage, opt)
 
 
 def build_compshard(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh, args,
-                    compiled: bool) -> tuple[Step, Partition]:
+                    compiled: bool, reshard: str) -> System:
     x, y = batch
     pipe = compshard.pipeline(model, gpt_loss, stages=args.stages, microbatches=args.microbatches, example_inputs=x,
                               schedule=args.schedule, mesh=mesh, compile=compiled,
-                              compile_options=args.options if compiled else None)
-    return with_optimizer(list(pipe.module.parameters()), lambda: pipe.step(x, y)), pipe.partition
+                              compile_options=args.options if compiled else None, reshard=reshard)
+    return with_optimizer(pipe.module, lambda: pipe.step(x, y), pipe.partition)
+
+
+def build_system(name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh, args,
+                 device: torch.device) -> System:
+    if name == "fsdp2":
+        return build_fsdp2(model, batch, mesh, args, device)
+    reshard = "per_microbatch" if name == "compshard-per-microbatch" else "per_step"
+    return build_compshard(model, batch, mesh, args, compiled=name != "compshard-eager", reshard=reshard)
 
 
 def build_fsdp2(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh, args,
-                device: torch.device) -> tuple[Step, Partition]:
+                device: torch.device) -> System:
     """The stage compshard.pipeline would build (the same cut, from the same cost model),
     sharded as one FSDP2 unit and run by torch.distributed.pipelining."""
     x, y = batch
@@ -157,7 +182,7 @@ def build_fsdp2(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh
         sum_tied_gradients(tied)
         return mean_step_loss(losses, mesh, device)
 
-    return with_optimizer(list(module.parameters()), pipeline_step), partition
+    return with_optimizer(module, pipeline_step, partition)
 
 
 def timed(step: Step) -> tuple[float, float]:
@@ -189,15 +214,9 @@ def main(args: argparse.Namespace) -> None:
              f"{args.microbatches} micro-batches, global batch {args.batch} x {cfg.block_size} tokens")
     started = time.perf_counter()
 
-    steps: dict[str, Step] = {}
-    cuts: dict[str, list[str]] = {}
-    for name in args.systems:
-        model = copy.deepcopy(reference)
-        if name == "fsdp2":
-            steps[name], partition = build_fsdp2(model, batch, mesh, args, device)
-        else:
-            steps[name], partition = build_compshard(model, batch, mesh, args, compiled=name == "compshard")
-        cuts[name] = partition.cut_points
+    systems = {name: build_system(name, copy.deepcopy(reference), batch, mesh, args, device) for name in args.systems}
+    steps = {name: system.step for name, system in systems.items()}
+    cuts = {name: system.partition.cut_points for name, system in systems.items()}
     if len({tuple(cut) for cut in cuts.values()}) != 1:
         raise SystemExit(f"the systems cut the model differently: {cuts}")
 
@@ -215,14 +234,22 @@ def main(args: argparse.Namespace) -> None:
             times[name].append(seconds)
             progress(f"  {name}: step {index + 1}/{args.steps} loss {loss:.6f} ({seconds * 1e3:.1f} ms)")
 
+    peaks: dict[str, int] = {}
+    for name, system in systems.items():
+        dist.barrier()
+        peaks[name] = peak_tensor_bytes(system.step, device, state_bytes(system.stage, system.opt))
+        progress(f"  {name}: peak tensor memory {peaks[name] / 2**20:.1f} MiB")
+
     per_rank: list = [None] * world_size
-    dist.all_gather_object(per_rank, times)
+    dist.all_gather_object(per_rank, (times, peaks))
     rows = {}
     for name in args.systems:
         rows[name] = {
-            "median_step_seconds": max(statistics.median(rank_times[name]) for rank_times in per_rank),
+            "median_step_seconds": max(statistics.median(rank_times[name]) for rank_times, _ in per_rank),
+            "peak_bytes": max(rank_peaks[name] for _, rank_peaks in per_rank),
             "losses": losses[name],
-            "step_seconds_per_rank": [rank_times[name] for rank_times in per_rank],
+            "step_seconds_per_rank": [rank_times[name] for rank_times, _ in per_rank],
+            "peak_bytes_per_rank": [rank_peaks[name] for _, rank_peaks in per_rank],
         }
     baseline = rows.get("fsdp2")
     table = []
@@ -234,11 +261,12 @@ def main(args: argparse.Namespace) -> None:
         table.append([
             name, f"{row['median_step_seconds'] * 1e3:.1f}",
             f"{row['step_vs_fsdp2']:.2f}" if baseline else "-",
+            f"{row['peak_bytes'] / 2**20:.1f}",
             f"{row['losses'][-1]:.6f}",
             f"{row['final_loss_rel_diff_vs_fsdp2']:.1e}" if baseline else "-",
         ])
     if rank == 0:
-        print(tabulate(table, headers=["system", "median step ms", "step/fsdp2", "final loss",
+        print(tabulate(table, headers=["system", "median step ms", "step/fsdp2", "peak MiB/rank", "final loss",
                                        "final loss rel. diff vs fsdp2"]))
         disagree = [name for name, row in rows.items() if row.get("final_loss_rel_diff_vs_fsdp2", 0) > LOSS_RTOL]
         print(f"final losses agree to {LOSS_RTOL:g}: " + (f"no ({', '.join(disagree)})" if disagree else "yes"))

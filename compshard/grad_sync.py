@@ -21,7 +21,9 @@ communication, not memory, is the bottleneck.
 When no synced forward follows the accumulation (a pipeline schedule runs the forward of
 its last micro-batch before the backwards of earlier ones, so no forward can fold them),
 :func:`reduce_accumulated_gradients` reduces every accumulated gradient once, explicitly,
-in buckets (one collective for many parameters).
+in buckets (one collective for many parameters). It also reduces the full gradients
+accumulated on parameters gathered once for the step (:mod:`compshard.step_gather`),
+where no parameter read runs ``unshard`` at all.
 """
 
 from __future__ import annotations
@@ -54,6 +56,9 @@ class GradSync:
         self.eager = EagerReductions()  # uncompiled gathers awaiting their gradients
         self.specs: dict[str, Any] = {}
         self.sinks: dict[str, torch.Tensor] = {}  # parameter name -> zero-stride full-shape leaf
+        # parameter name -> full tensor gathered for the step, which parameter reads return and
+        # whose .grad accumulates; None outside compshard.step_gather.gathered_for_step
+        self.step_gathered: dict[str, torch.Tensor] | None = None
 
     def claim(self, param: str) -> tuple[str, torch.Tensor | None]:
         """``(grad_sync, grad_sink)`` arguments of the parameter's next ``unshard``, claimed
@@ -73,11 +78,29 @@ class GradSync:
         sink.grad = None
         return "fold", accumulated
 
+    def take_accumulated(self, name: str) -> torch.Tensor | None:
+        """The full gradient of parameter ``name`` accumulated since the last reduction, in
+        the reduce dtype, taken out of where it accumulates: the ``.grad`` of its
+        step-gathered tensor (:mod:`compshard.step_gather`), which is released with it
+        (taking the gradient ends the parameter's step), else of its gradient sink.
+        Zeros when nothing accumulated; ``None`` for a frozen parameter, or one whose
+        gradients do not accumulate (sync never turned off, no step gathering)."""
+        holder = self.step_gathered.get(name) if self.step_gathered is not None else self.sinks.get(name)
+        if holder is None or not holder.requires_grad:
+            return None
+        if self.step_gathered is not None:
+            del self.step_gathered[name]
+        spec = self.specs[name]
+        grad = holder.grad if holder.grad is not None else torch.zeros(spec.full_shape, dtype=holder.dtype,
+                                                                       device=holder.device)
+        holder.grad = None
+        return grad.to(spec.reduce_dtype) if spec.reduce_dtype is not None else grad
+
     def reduce_accumulated(self, params: Mapping[str, nn.Parameter], *, divide_by: int = 1,
                            bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
-        """Reduce every gradient sink's accumulated gradient once, divide this rank's rows by
-        ``divide_by`` and add them to the parameter's ``.grad`` (``params``: name ->
-        parameter); the sinks are left empty.
+        """Reduce every accumulated gradient (:meth:`take_accumulated`) once, divide this
+        rank's rows by ``divide_by`` and add them to the parameter's ``.grad`` (``params``:
+        name -> parameter); what held them is left empty.
 
         Parameters are taken in registration order (the same collectives in the same order
         on every rank) into buckets of consecutive parameters with the same groups and
@@ -87,16 +110,13 @@ class GradSync:
         bucket (plus the op's divided copy) beside the full gradients, each released once
         its bucket is reduced.
 
-        A sink that accumulated nothing contributes zeros, so that every rank issues the
-        same collectives whatever ran: its parameter then gets a zero gradient, not ``None``."""
+        A parameter that accumulated nothing contributes zeros, so that every rank issues
+        the same collectives whatever ran: it then gets a zero gradient, not ``None``."""
         bucket: list[_Accumulated] = []
         for name, spec in self.specs.items():
-            sink = self.sinks.get(name)
-            if sink is None:  # frozen parameter, or gradient sync never turned off
+            grad = self.take_accumulated(name)
+            if grad is None:
                 continue
-            grad = sink.grad if sink.grad is not None else torch.zeros(spec.full_shape, dtype=sink.dtype,
-                                                                       device=sink.device)
-            sink.grad = None
             item = _Accumulated(spec, grad, params[name])
             if not spec.full_shape:
                 _reduce_and_accumulate([item], divide_by)
@@ -130,8 +150,12 @@ def _nbytes(bucket: list[_Accumulated]) -> int:
 
 
 def _reduce_and_accumulate(bucket: list[_Accumulated], divide_by: int) -> None:
-    for item, local_grad in zip(bucket, _reduce_bucket(bucket)):
-        accumulate_grad(item.param, local_grad / divide_by if divide_by != 1 else local_grad)
+    """Reduce ``bucket`` and add this rank's rows, divided by ``divide_by``, to its
+    parameters' ``.grad``. Empties ``bucket``, so that each full gradient is released once
+    packed for the collective (it is referenced nowhere else)."""
+    params = [item.param for item in bucket]
+    for param, local_grad in zip(params, _reduce_bucket(bucket)):
+        accumulate_grad(param, local_grad / divide_by if divide_by != 1 else local_grad)
 
 
 def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
@@ -140,27 +164,29 @@ def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
     ``[world_size, S]`` tensor holds rank ``r``'s rows of every gradient, zero-padded, as
     the compiled backward packs a bucket), reduced as that tensor, whose ``Shard(0)`` row
     is this rank's, then unpacked. The arithmetic per element is the op's for each
-    gradient alone. A replicated (0-d) parameter goes alone, as itself."""
+    gradient alone. A replicated (0-d) parameter goes alone, as itself. Empties ``bucket``
+    (a 0-d parameter's excepted)."""
     first = bucket[0]
-    spec, world_size = first.spec, first.spec.world_size
-    if len(bucket) == 1 and not spec.full_shape:
+    spec, world_size, shard_dtype = first.spec, first.spec.world_size, first.param.dtype
+    if not spec.full_shape:
         return [torch.ops.compshard.reduce_grad(first.grad, [], world_size, spec.group_name, spec.fqn, None,
-                                                first.param.dtype, spec.replicate_group)]
+                                                shard_dtype, spec.replicate_group)]
     rank = group_rank(spec.group_name)
     layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]
     shard_numels = [layout.padded_shard_numel for layout in layouts]
+    label = spec.fqn if len(bucket) == 1 else f"{spec.fqn} and {len(bucket) - 1} more"
     packed = torch.ops.compshard.reduce_scatter_copy_in([item.grad for item in bucket], shard_numels, world_size,
                                                        first.grad.dtype, None)
-    label = spec.fqn if len(bucket) == 1 else f"{spec.fqn} and {len(bucket) - 1} more"
+    del first
+    bucket.clear()  # the full gradients are packed: release them before the reduction allocates
     reduced = torch.ops.compshard.reduce_grad(packed, [world_size, sum(shard_numels)], world_size, spec.group_name,
-                                              label, None, first.param.dtype, spec.replicate_group)
+                                              label, None, shard_dtype, spec.replicate_group)
     local_numels = [math.prod(layout.local_shape) for layout in layouts]
-    flats = torch.ops.compshard.reduce_scatter_copy_out(reduced.view(-1), shard_numels, local_numels,
-                                                        first.param.dtype)
+    flats = torch.ops.compshard.reduce_scatter_copy_out(reduced.view(-1), shard_numels, local_numels, shard_dtype)
     return [flat.view(layout.local_shape) for flat, layout in zip(flats, layouts)]
 
 
-def _state(module: nn.Module) -> GradSync:
+def grad_sync_state(module: nn.Module) -> GradSync:
     state = getattr(module, "_compshard_grad_sync", None)
     if state is None or not hasattr(module, "_compshard_config"):  # a submodule shares its root's state
         raise ValueError("compshard: gradient sync is set on the module passed to compshard.shard; "
@@ -175,7 +201,7 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
     together with its own gradient. Every rank must make the same calls."""
     if not isinstance(requires_gradient_sync, bool):
         raise TypeError(f"compshard: requires_gradient_sync must be True or False, got {requires_gradient_sync!r}")
-    state = _state(module)
+    state = grad_sync_state(module)
     state.requires_sync = requires_gradient_sync
     if requires_gradient_sync:
         return
@@ -196,7 +222,7 @@ def reduce_accumulated_gradients(module: nn.Module, *, divide_by: int = 1,
     ``divide_by`` (see :meth:`GradSync.reduce_accumulated`). Every rank must call it at
     the same point."""
     with torch.no_grad():
-        _state(module).reduce_accumulated(dict(module.named_parameters()), divide_by=divide_by,
+        grad_sync_state(module).reduce_accumulated(dict(module.named_parameters()), divide_by=divide_by,
                                           bucket_bytes=bucket_bytes)
 
 

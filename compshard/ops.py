@@ -142,6 +142,11 @@ class ReduceGradArgs(NamedTuple):
     replicate_group: str
 
 
+def _padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
+    """``flat`` zero-padded to ``numel`` elements; itself (no copy) when it has them already."""
+    return flat if flat.numel() == numel else torch.nn.functional.pad(flat, (0, numel - flat.numel()))
+
+
 def _shard_layout(full_shape: list[int], world_size: int, group_name: str) -> ShardLayout:
     return ShardLayout(tuple(full_shape), world_size, group_rank(group_name))
 
@@ -167,8 +172,8 @@ def unshard(
     flat = shard.reshape(-1).to(param_dtype or shard.dtype)
     if layout.replicated or world_size == 1:
         return flat.clone().view(full_shape)
-    padded = torch.nn.functional.pad(flat, (0, layout.padded_shard_numel - flat.numel()))
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(padded, world_size, group_name))
+    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(_padded(flat, layout.padded_shard_numel), world_size,
+                                                              group_name))
     return gathered[: layout.numel].view(full_shape).clone()
 
 
@@ -226,7 +231,7 @@ def reduce_grad(
     if world_size > 1 and layout.replicated:
         flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group_name))
     elif world_size > 1:
-        padded = torch.nn.functional.pad(flat, (0, world_size * layout.padded_shard_numel - flat.numel()))
+        padded = _padded(flat, world_size * layout.padded_shard_numel)
         reduced = _c10d.reduce_scatter_tensor(padded, "sum", world_size, group_name)
         flat = _c10d.wait_tensor(reduced)[: math.prod(layout.local_shape)]
     if replicas > 1:

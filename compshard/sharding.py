@@ -14,7 +14,8 @@ from forward to backward.
 
 Every read of ``module.<name>`` goes through ``compshard::unshard`` (a class-level property
 installed on a per-class subclass), so Dynamo captures one unshard per access and eager
-execution gathers for real. ``state_dict`` and ``named_parameters`` read ``_parameters``
+execution gathers for real; inside ``compshard.step_gather.gathered_for_step`` it returns
+the tensor gathered for the step instead. ``state_dict`` and ``named_parameters`` read ``_parameters``
 directly and keep the original names. Tied parameters stay tied: one sharded Parameter
 is registered under every name the original was.
 """
@@ -104,6 +105,13 @@ def _sharded_property(name: str) -> property:
 
 def _unshard(module: nn.Module, name: str) -> torch.Tensor:
     spec = module._compshard_specs[name]
+    step_gathered = module._compshard_grad_sync.step_gathered
+    if step_gathered is not None:  # compshard.step_gather: gathered once for the step
+        gathered = step_gathered.get(spec.fqn)
+        if gathered is None:
+            raise RuntimeError(f"compshard: parameter '{spec.fqn}' read after reduce_accumulated_gradients "
+                               "released it, ending its step (compshard.step_gather.gathered_for_step)")
+        return gathered
     param = module._parameters[name]
     shard = _local(param)
     if spec.compute_device is not None:

@@ -1,8 +1,8 @@
 """Pipeline parallelism: the partition pass (in process) and training with
 ``compshard.pipeline`` (stages compiled with the compshard backend, and eager) against
 single-process eager training (gloo: 2 stages on 2 processes, 2 stages x 2 data-parallel
-shards on 4), with the number of gradient reduce-scatters per step. One spawn per world
-size.
+shards on 4, the shards gathered per step and per micro-batch), with the number of
+all-gathers and gradient reduce-scatters per step. One spawn per world size.
 """
 
 from __future__ import annotations
@@ -92,6 +92,7 @@ def test_too_many_stages_names_the_maximum():
         ({"microbatches": 2.5}, r"microbatches must be an int >= 1, got 2.5"),
         ({"stages": 4, "microbatches": 2}, r"schedule='1f1b' needs microbatches >= stages"),
         ({"microbatches": 3}, r"microbatches=3 must divide the batch"),
+        ({"reshard": "per_layer"}, r"reshard='per_layer' is not allowed; use one of \['per_step', 'per_microbatch'\]"),
     ],
 )
 def test_bad_options_name_the_option_and_what_is_allowed(options, message):
@@ -133,22 +134,28 @@ def test_bubble_fraction():
 PIPELINE_ADAMW = {**ADAMW, "eps": 1e-4}
 
 
-# The reduce-scatters a step issues, at the functional-collective level: an uncompiled
-# compshard::reduce_grad and a compiled backward's lowered reductions both go through them.
-REDUCE_SCATTERS = ("_c10d_functional::reduce_scatter_tensor", "_c10d_functional::reduce_scatter_tensor_coalesced")
+# The collectives a step issues, at the functional-collective level: uncompiled compshard
+# ops, a compiled graph's lowered collectives and the step's gathering all go through them.
+COLLECTIVES = {
+    "all_gathers": ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out",
+                    "_c10d_functional::all_gather_into_tensor_coalesced"),
+    "reduce_scatters": ("_c10d_functional::reduce_scatter_tensor",
+                        "_c10d_functional::reduce_scatter_tensor_coalesced"),
+}
 
 
-def _count_reduce_scatters(step: Callable[[], object]) -> int:
+def _count_collectives(step: Callable[[], object]) -> dict[str, int]:
+    """How many all-gathers and reduce-scatters ``step()`` issues on this rank."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
         step()
-    return sum(event.name in REDUCE_SCATTERS for event in profile.events())
+    return {kind: sum(event.name in names for event in profile.events()) for kind, names in COLLECTIVES.items()}
 
 
 def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule: str, pp_mesh: bool,
-           compile: bool) -> dict:
+           compile: bool, reshard: str) -> dict:
     """Train the test GPT with ``compshard.pipeline`` and report errors against eager
     (``pp_mesh``: pass a 1-D ``("pp",)`` mesh instead of letting it build one), the graphs
-    compiled and the reduce-scatters of the last step."""
+    compiled and the collectives of the last step."""
     reference, batch = make_model("gpt")
     model = copy.deepcopy(reference)
     expected_losses = train_reference(reference, batch,
@@ -157,7 +164,7 @@ def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule:
     x, y = local_batch(batch, rank % replicas, replicas)  # ranks are laid out (pp, dp), dp inner
     mesh = init_device_mesh("cpu", (stages,), mesh_dim_names=("pp",)) if pp_mesh else None
     pipe = compshard.pipeline(model, gpt_loss, stages=stages, microbatches=microbatches, schedule=schedule,
-                              example_inputs=x, mesh=mesh, compile=compile)
+                              example_inputs=x, mesh=mesh, compile=compile, reshard=reshard)
     opt = torch.optim.AdamW(pipe.module.parameters(), **PIPELINE_ADAMW)
     losses = []
     with record_compiles() as compiled:
@@ -165,7 +172,7 @@ def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule:
             losses.append(pipe.step(x, y).item())
             opt.step()
             opt.zero_grad()
-    reduce_scatters = _count_reduce_scatters(lambda: losses.append(pipe.step(x, y).item()))
+    collectives = _count_collectives(lambda: losses.append(pipe.step(x, y).item()))
     opt.step()
     opt.zero_grad()
     full = compshard.full_state_dict(pipe.module)
@@ -177,7 +184,7 @@ def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule:
         "params": {name: relative_error(value, expected[name]) for name, value in full.items()},
         "names": [name for name, _ in pipe.module.named_parameters()],
         "graphs": sorted(graph.kind for graph in compiled),
-        "reduce_scatters": reduce_scatters,
+        **collectives,
         "sharded": [isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in pipe.module.parameters()],
         "bubble": report.bubble_fraction,
         "released": all(held.tensor.is_meta for stage in pipe.partition.stages for held in stage.state.values()),
@@ -204,8 +211,8 @@ def _reduce_accumulated_in_buckets(rank: int, world_size: int) -> dict:
     with compshard.no_sync(model):
         for micro_batch in zip(x.chunk(2), y.chunk(2)):
             model(*micro_batch).backward()
-    reduce_scatters = _count_reduce_scatters(
-        lambda: reduce_accumulated_gradients(model, divide_by=2, bucket_bytes=BUCKET_BYTES))
+    reduce_scatters = _count_collectives(
+        lambda: reduce_accumulated_gradients(model, divide_by=2, bucket_bytes=BUCKET_BYTES))["reduce_scatters"]
     expected = {name: p.grad for name, p in reference.named_parameters() if p.requires_grad}
     got = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
     return {
@@ -223,11 +230,13 @@ def _run_readme_example() -> str:
     return out.getvalue()
 
 
-CASES = {  # world size -> case -> (stages, microbatches, schedule, pass a 1-D pp mesh, compile)
-    2: {"1f1b": (2, 4, "1f1b", False, True), "gpipe": (2, 4, "gpipe", True, True),
-        "eager": (2, 4, "1f1b", False, False)},
-    4: {"1f1b": (2, 2, "1f1b", False, True), "gpipe": (2, 4, "gpipe", False, True),
-        "eager": (2, 4, "1f1b", False, False)},
+CASES = {  # world size -> case -> (stages, microbatches, schedule, pass a 1-D pp mesh, compile, reshard)
+    2: {"1f1b": (2, 4, "1f1b", False, True, "per_step"), "gpipe": (2, 4, "gpipe", True, True, "per_step"),
+        "eager": (2, 4, "1f1b", False, False, "per_step")},
+    4: {"1f1b": (2, 2, "1f1b", False, True, "per_step"), "gpipe": (2, 4, "gpipe", False, True, "per_step"),
+        "eager": (2, 4, "1f1b", False, False, "per_step"),
+        "1f1b-per-microbatch": (2, 4, "1f1b", False, True, "per_microbatch"),
+        "eager-per-microbatch": (2, 4, "gpipe", False, False, "per_microbatch")},
 }
 
 
@@ -243,10 +252,19 @@ def pipeline_results(request):
     return request.param, run_distributed(pipeline_worker, request.param)
 
 
-@pytest.mark.parametrize("case", ["1f1b", "gpipe", "eager"])
-def test_pipeline_training_matches_single_process_eager(pipeline_results, case):
+def _cases(pipeline_results, case):
     world_size, results = pipeline_results
-    stages, microbatches, schedule, _, _ = CASES[world_size][case]
+    if case not in CASES[world_size]:
+        pytest.skip(f"no case {case!r} at world size {world_size}")
+    return world_size, CASES[world_size][case], results
+
+
+ALL_CASES = ["1f1b", "gpipe", "eager", "1f1b-per-microbatch", "eager-per-microbatch"]
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_pipeline_training_matches_single_process_eager(pipeline_results, case):
+    world_size, (stages, microbatches, schedule, _, _, _), results = _cases(pipeline_results, case)
     model, _ = make_model("gpt")
     held = set()
     for rank, result in enumerate(results):
@@ -263,10 +281,9 @@ def test_pipeline_training_matches_single_process_eager(pipeline_results, case):
     assert held == {name for name, _ in model.named_parameters()}
 
 
-@pytest.mark.parametrize("case", ["1f1b", "gpipe", "eager"])
+@pytest.mark.parametrize("case", ALL_CASES)
 def test_stages_compile_and_reduce_gradients_once_per_step(pipeline_results, case):
-    world_size, results = pipeline_results
-    stages, _, _, _, compile = CASES[world_size][case]
+    world_size, (stages, _, _, _, compile, _), results = _cases(pipeline_results, case)
     sharded = world_size > stages
     for rank, result in enumerate(results):
         got = result[case]
@@ -277,6 +294,22 @@ def test_stages_compile_and_reduce_gradients_once_per_step(pipeline_results, cas
         # test GPT is one bucket (far below bucket_mb)
         expected = 1 if sharded else 0
         assert got["reduce_scatters"] == expected, f"rank {rank}: {got['reduce_scatters']} reduce-scatters in a step"
+
+
+@pytest.mark.parametrize("case", ALL_CASES)
+def test_sharded_stages_gather_as_reshard_says(pipeline_results, case):
+    world_size, (stages, microbatches, _, _, compile, reshard), results = _cases(pipeline_results, case)
+    for rank, result in enumerate(results):
+        got = result[case]
+        if world_size == stages:  # unsharded stages: nothing to gather
+            assert got["all_gathers"] == 0, f"rank {rank}: {got['all_gathers']} all-gathers in a step"
+        elif reshard == "per_step":  # once per step: a stage of the test GPT is one bucket
+            assert got["all_gathers"] == 1, f"rank {rank}: {got['all_gathers']} all-gathers in a step"
+            assert "parameters gathered per step" in got["report"]
+        else:  # in every micro-batch's forward (compiled: per bucket, and again in backward where it reads
+            # parameters; eager: per read)
+            assert got["all_gathers"] >= microbatches, f"rank {rank}: {got['all_gathers']} all-gathers in a step"
+            assert "parameters gathered per microbatch" in got["report"]
 
 
 def test_accumulated_gradients_reduce_in_buckets(pipeline_results):
