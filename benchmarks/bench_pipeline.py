@@ -52,14 +52,13 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
 from typing import Callable, NamedTuple
 
-from cli import add_workload_arguments, make_parser, parse_workload_arguments
+from cli import add_workload_arguments, make_parser, parse_options, parse_systems, parse_workload_arguments
 
 SYSTEM_NAMES = ("compshard", "compshard-per-microbatch", "compshard-eager", "fsdp2")
 SCHEDULE_NAMES = ("1f1b", "gpipe")  # compshard.pipeline.SCHEDULES (checked below)
@@ -79,16 +78,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse_workload_arguments(parser, argv)
     if min(args.steps, args.warmup, args.batch, args.layers, args.stages, args.microbatches) < 1:
         parser.error("--steps, --warmup, --batch, --layers, --stages and --microbatches must be at least 1")
-    args.systems = [s for s in args.systems.split(",") if s]
-    unknown = [s for s in args.systems if s not in SYSTEM_NAMES]
-    if unknown or not args.systems:
-        parser.error(f"--systems: unknown {unknown}; choose from {list(SYSTEM_NAMES)}")
-    try:
-        args.options = json.loads(args.options)
-        if not isinstance(args.options, dict):
-            raise ValueError(f"expected a JSON object, got {args.options!r}")
-    except ValueError as error:  # a JSONDecodeError is a ValueError
-        parser.error(f"--options: {error}")
+    args.systems = parse_systems(parser, args.systems, SYSTEM_NAMES)
+    args.options = parse_options(parser, args.options)
     return args
 
 

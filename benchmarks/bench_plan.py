@@ -26,14 +26,13 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import json
 import os
 import statistics
 import time
 from dataclasses import asdict
 from pathlib import Path
 
-from cli import add_workload_arguments, make_parser, parse_workload_arguments
+from cli import add_workload_arguments, make_parser, parse_options, parse_workload_arguments
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -48,12 +47,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parse_workload_arguments(parser, argv)
     if min(args.steps, args.warmup, args.batch, args.layers, args.threads) < 1:
         parser.error("--steps, --warmup, --batch, --layers and --threads must be at least 1")
-    try:
-        args.options = json.loads(args.options)
-        if not isinstance(args.options, dict):
-            raise ValueError(f"expected a JSON object, got {args.options!r}")
-    except ValueError as error:
-        parser.error(f"--options: {error}")
+    args.options = parse_options(parser, args.options)
     return args
 
 

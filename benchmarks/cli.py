@@ -7,6 +7,8 @@ a bad option answer at once; the help shows every default.
 from __future__ import annotations
 
 import argparse
+import json
+from typing import Sequence
 
 # harness.SYSTEMS holds the functions under these names (checked there).
 SYSTEM_NAMES = ("compshard", "fsdp2", "fsdp2+compile", "ddp")
@@ -53,3 +55,23 @@ def parse_workload_arguments(parser: argparse.ArgumentParser, argv: list[str] | 
         if not hasattr(args, name):
             setattr(args, name, value)
     return args
+
+
+def parse_systems(parser: argparse.ArgumentParser, text: str, allowed: Sequence[str]) -> list[str]:
+    """``--systems``: comma-separated names, each one of ``allowed`` (else a usage error)."""
+    systems = [s for s in text.split(",") if s]
+    unknown = [s for s in systems if s not in allowed]
+    if unknown or not systems:
+        parser.error(f"--systems: unknown {unknown}; choose from {list(allowed)}")
+    return systems
+
+
+def parse_options(parser: argparse.ArgumentParser, text: str) -> dict:
+    """``--options``: compshard compile options as a JSON object (else a usage error)."""
+    try:
+        options = json.loads(text)
+        if not isinstance(options, dict):
+            raise ValueError(f"expected a JSON object, got {options!r}")
+    except ValueError as error:  # a JSONDecodeError is a ValueError
+        parser.error(f"--options: {error}")
+    return options

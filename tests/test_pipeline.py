@@ -247,24 +247,33 @@ def pipeline_worker(rank: int, world_size: int) -> dict:
     return results
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+_RESULTS: dict[int, list] = {}  # world size -> every rank's pipeline_worker result (one spawn each)
+
+
+def _results(world_size: int) -> tuple[int, list]:
+    if world_size not in _RESULTS:
+        _RESULTS[world_size] = run_distributed(pipeline_worker, world_size)
+    return world_size, _RESULTS[world_size]
+
+
+@pytest.fixture(params=[2, 4], ids=lambda n: f"world{n}")
 def pipeline_results(request):
-    return request.param, run_distributed(pipeline_worker, request.param)
+    return _results(request.param)
 
 
-def _cases(pipeline_results, case):
-    world_size, results = pipeline_results
-    if case not in CASES[world_size]:
-        pytest.skip(f"no case {case!r} at world size {world_size}")
-    return world_size, CASES[world_size][case], results
+def _cases(world_size, case):
+    return world_size, CASES[world_size][case], _results(world_size)[1]
 
 
-ALL_CASES = ["1f1b", "gpipe", "eager", "1f1b-per-microbatch", "eager-per-microbatch"]
+# The (world size, case) pairs that exist; each world size spawns its processes once.
+WORLD_CASES = [(world_size, case) for world_size, cases in CASES.items() for case in cases]
+each_case = pytest.mark.parametrize(("world_size", "case"), WORLD_CASES,
+                                    ids=[f"world{n}-{case}" for n, case in WORLD_CASES])
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
-def test_pipeline_training_matches_single_process_eager(pipeline_results, case):
-    world_size, (stages, microbatches, schedule, _, _, _), results = _cases(pipeline_results, case)
+@each_case
+def test_pipeline_training_matches_single_process_eager(world_size, case):
+    world_size, (stages, microbatches, schedule, _, _, _), results = _cases(world_size, case)
     model, _ = make_model("gpt")
     held = set()
     for rank, result in enumerate(results):
@@ -281,9 +290,9 @@ def test_pipeline_training_matches_single_process_eager(pipeline_results, case):
     assert held == {name for name, _ in model.named_parameters()}
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
-def test_stages_compile_and_reduce_gradients_once_per_step(pipeline_results, case):
-    world_size, (stages, _, _, _, compile, _), results = _cases(pipeline_results, case)
+@each_case
+def test_stages_compile_and_reduce_gradients_once_per_step(world_size, case):
+    world_size, (stages, _, _, _, compile, _), results = _cases(world_size, case)
     sharded = world_size > stages
     for rank, result in enumerate(results):
         got = result[case]
@@ -296,9 +305,9 @@ def test_stages_compile_and_reduce_gradients_once_per_step(pipeline_results, cas
         assert got["reduce_scatters"] == expected, f"rank {rank}: {got['reduce_scatters']} reduce-scatters in a step"
 
 
-@pytest.mark.parametrize("case", ALL_CASES)
-def test_sharded_stages_gather_as_reshard_says(pipeline_results, case):
-    world_size, (stages, microbatches, _, _, compile, reshard), results = _cases(pipeline_results, case)
+@each_case
+def test_sharded_stages_gather_as_reshard_says(world_size, case):
+    world_size, (stages, microbatches, _, _, compile, reshard), results = _cases(world_size, case)
     for rank, result in enumerate(results):
         got = result[case]
         if world_size == stages:  # unsharded stages: nothing to gather
