@@ -58,7 +58,8 @@ class _Pending:
 
     param: nn.Parameter
     reduce_args: tuple  # compshard::reduce_grad's arguments after the gradient
-    gathered: torch.Tensor  # an empty tensor of the gathered dtype and device (a skipped gather's zeros)
+    gathered_dtype: torch.dtype  # a skipped gather's zero gradient is made in it, on ``device``
+    device: torch.device
     call: list[_Pending]  # the gathers of the same unit call (this one alone outside a call)
     grad: torch.Tensor | None = None
     ready: bool = False  # autograd has produced its whole gradient
@@ -106,7 +107,7 @@ class EagerReductions:
     def _reduce(item: _Pending) -> None:
         grad = item.grad
         if grad is None:  # skipped: its contribution to the sum over ranks is zero
-            grad = torch.zeros(item.reduce_args[0], dtype=item.gathered.dtype, device=item.gathered.device)
+            grad = torch.zeros(item.reduce_args[0], dtype=item.gathered_dtype, device=item.device)
         local_grad = torch.ops.compshard.reduce_grad(grad, *item.reduce_args)
         item.grad = None
         item.ready = True  # reduced (a skipped gather's zeros included)
@@ -155,7 +156,7 @@ def gather(param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reduct
     gathered_dtype = args.param_dtype if args.param_dtype is not None else shard.dtype
     call = reductions.open_call if reductions.open_call is not None else []
     item = _Pending(param, (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
-                            shard.dtype, args.replicate_group), shard.new_empty(0, dtype=gathered_dtype), call)
+                            shard.dtype, args.replicate_group), gathered_dtype, shard.device, call)
     call.append(item)
     if args.grad_sync == "fold":  # the gradient accumulated under no_sync joins this one's reduction
         item.grad = args.grad_sink
