@@ -22,10 +22,10 @@ parameter), deciding with the cost model's constants for the chosen hardware
 Depth: compiling a deep model takes minutes (Dynamo, AOTAutograd and the partitioner
 trace every block). With ``depth="auto"`` a model whose blocks form a stack of at least
 ``EXTRAPOLATE_FROM`` identical blocks (a ``ModuleList`` of one class with the same
-parameter shapes) is planned with its first 2 and first 3 blocks, and every estimate is
-extended linearly by the difference (one middle block: the first block starts the
-prefetch chain, the last stays gathered into backward), when nothing couples the blocks
-of the schedule: one bucket per block (``buckets="auto"``), a block's gathered bytes over
+parameter shapes) is planned with its first ``PLANNED_BLOCKS`` (3 and 4) blocks, and every
+estimate is extended linearly by the difference (one middle block: the first blocks start
+the prefetch chain, whose look-ahead reaches past the first middle block, and the last
+stays gathered into backward), when nothing couples the blocks of the schedule: one bucket per block (``buckets="auto"``), a block's gathered bytes over
 ``bucket_mb`` (so no collective joins two blocks), no global budget (``memory_budget_mb``,
 ``recompute={"budget_mb": ...}``). Parameters and optimizer state come from the full
 model's shapes. ``depth="exact"`` compiles the whole model.
@@ -69,6 +69,7 @@ __all__ = ["plan", "PlanReport", "MemoryEstimate", "StepEstimate", "default_cand
 
 GiB = 2**30
 EXTRAPOLATE_FROM = 8  # depth="auto" extrapolates stacks of at least this many blocks
+PLANNED_BLOCKS = (3, 4)  # the truncated depths an extrapolated plan compiles
 Depth = Literal["auto", "exact", "extrapolate"]
 _SHARD_KEYWORDS = ("strategy", "reshard_after_forward", "param_dtype", "reduce_dtype", "output_dtype",
                    "cast_forward_inputs", "buffer_dtype")
@@ -359,7 +360,7 @@ def _block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
         return type(block), tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
 
     stacks = [(name, module) for name, module in model.named_modules()
-              if isinstance(module, nn.ModuleList) and len(module) >= 3
+              if isinstance(module, nn.ModuleList) and len(module) >= PLANNED_BLOCKS[1]
               and len({signature(block) for block in module}) == 1]
     return max(stacks, key=lambda stack: len(stack[1]), default=None)
 
@@ -438,7 +439,8 @@ def _extrapolation(job: _Job, sharding: dict, options: CompileOptions) -> tuple[
     blocks do not couple the schedule; None to compile the whole model."""
     stack = _block_stack(job.meta_model) if job.depth != "exact" else None
     if job.depth == "extrapolate" and stack is None:
-        raise ValueError("compshard.plan: depth='extrapolate' needs a ModuleList of at least 3 identical blocks")
+        raise ValueError(f"compshard.plan: depth='extrapolate' needs a ModuleList of at least {PLANNED_BLOCKS[1]} "
+                         "identical blocks")
     if stack is None or job.depth == "extrapolate":
         return None if stack is None else (stack[0], len(stack[1]))
     dtype = sharding.get("param_dtype")
@@ -457,11 +459,12 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
         estimates, schedule = _compile(job, job.meta_model, sharding, options, shard_size, compute_dtype)
     else:
         stack_name, blocks = extrapolation
-        shallow, _ = _compile(job, _truncated(job.meta_model, stack_name, 2), sharding, options, shard_size,
-                              compute_dtype)
-        deeper, schedule = _compile(job, _truncated(job.meta_model, stack_name, 3), sharding, options, shard_size,
+        shallow, deep = PLANNED_BLOCKS
+        shallower, _ = _compile(job, _truncated(job.meta_model, stack_name, shallow), sharding, options, shard_size,
+                                compute_dtype)
+        deeper, schedule = _compile(job, _truncated(job.meta_model, stack_name, deep), sharding, options, shard_size,
                                     compute_dtype)
-        estimates = deeper.extended(shallow, blocks - 3)
+        estimates = deeper.extended(shallower, blocks - deep)
     params, tensors = _rank0_shard_bytes(job.meta_model, shard_size)
     peak_graph = max(estimates.peaks, key=lambda graph: sum(estimates.peaks[graph].values()))
     costs = job.machine.group_costs(range(shard_size), compute_dtype)
@@ -479,7 +482,7 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
                           communication=estimates.communication, exposed_communication=exposed,
                           exposed_waits=_longest_waits(schedule)),
         memory_capacity=job.machine.memory_bytes,
-        extrapolated=None if extrapolation is None else (3, extrapolation[1], extrapolation[0]),
+        extrapolated=None if extrapolation is None else (PLANNED_BLOCKS[1], extrapolation[1], extrapolation[0]),
         notes=_notes(schedule, CompileOptions.from_dict(options)), schedule=schedule)
 
 

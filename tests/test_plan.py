@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import pathlib
 import sys
+from dataclasses import replace
 
 import pytest
 import torch
@@ -83,9 +84,10 @@ def _rank0_shard_bytes(model: torch.nn.Module, shard_size: int) -> int:
     return total
 
 
-# Four blocks, one collective per bucket (no collective joins two blocks), so a plan
-# extended from 2 and 3 blocks can be compared with the exact one.
+# One collective per bucket (no collective joins two blocks), so a six-block plan
+# extended from 3 and 4 blocks can be compared with the exact one.
 FOUR_BLOCKS = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)
+SIX_BLOCKS = replace(FOUR_BLOCKS, n_layer=6)
 UNJOINED = {"bucket_mb": 0.001}
 
 
@@ -97,12 +99,11 @@ def plans():
                            candidates=[({}, {"recompute": "full"})])
     hybrid = compshard.plan(model, x, y, world_size=16, options=UNJOINED, sharding={"strategy": "hybrid_shard"},
                             depth="exact")
-    extrapolated = compshard.plan(model, x, y, world_size=16, options=UNJOINED, depth="extrapolate")
-    return model, x, exact, hybrid, extrapolated
+    return model, x, exact, hybrid
 
 
 def test_plan_holds_rank0_shards_optimizer_state_and_a_consistent_step(plans):
-    model, x, full, hybrid, _ = plans
+    model, x, full, hybrid = plans
     assert full.memory.parameters == _rank0_shard_bytes(model, 16)
     assert hybrid.memory.parameters == _rank0_shard_bytes(model, 8)  # shard groups of one H100 node
     assert (hybrid.shard_size, hybrid.replicate_size) == (8, 2)
@@ -116,9 +117,12 @@ def test_plan_holds_rank0_shards_optimizer_state_and_a_consistent_step(plans):
     assert "all_reduce" in kinds and "all_reduce" not in {c["kind"] for c in full.schedule.collectives}
 
 
-def test_plan_extended_from_two_and_three_blocks_matches_the_exact_plan(plans):
-    *_, exact, _, extrapolated = plans
-    assert extrapolated.extrapolated == (3, 4, "blocks") and exact.extrapolated is None
+def test_plan_extended_from_three_and_four_blocks_matches_the_exact_plan():
+    model = _meta_gpt(SIX_BLOCKS)
+    x, y = _local_batch(SIX_BLOCKS, 0, 8)
+    exact = compshard.plan(model, x, y, world_size=16, options=UNJOINED, depth="exact")
+    extrapolated = compshard.plan(model, x, y, world_size=16, options=UNJOINED, depth="extrapolate")
+    assert extrapolated.extrapolated == (4, 6, "blocks") and exact.extrapolated is None
     assert extrapolated.memory == exact.memory
     for name in ("forward", "backward", "communication", "exposed_communication", "optimizer"):
         assert getattr(extrapolated.step, name) == pytest.approx(getattr(exact.step, name), rel=0.01), name
