@@ -22,10 +22,11 @@ import itertools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
 
+import torch
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
 
-from compshard import logs, rank_exchange
+from compshard import logs, rank_exchange, sharding
 from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan
 from compshard.options import CompileOptions
 from compshard.passes import PassContext, run_passes
@@ -72,26 +73,33 @@ def _executor(gm: fx.GraphModule, options: CompileOptions, kind: GraphKind) -> t
         from compshard.inductor_regions import compile_regions
 
         run, regions = compile_regions(gm, kind)
-        return _reporting_stopped_ranks(run), f"inductor ({regions} compiled region{'s' if regions != 1 else ''})"
-    boxed_codegen = getattr(fx.graph, "_BoxedCodeGen", None)
-    if boxed_codegen is not None:
-        gm.graph.set_codegen(boxed_codegen())
+        codegen = f"inductor ({regions} compiled region{'s' if regions != 1 else ''})"
+    elif getattr(fx.graph, "_BoxedCodeGen", None) is not None:
+        gm.graph.set_codegen(fx.graph._BoxedCodeGen())
         gm.recompile()  # GraphModule._boxed_call: gm takes its inputs as one list it may clear
-        return _reporting_stopped_ranks(gm), "fx"
-    from torch._functorch.aot_autograd import make_boxed_func
+        run, codegen = gm, "fx"
+    else:
+        from torch._functorch.aot_autograd import make_boxed_func
 
-    return _reporting_stopped_ranks(make_boxed_func(gm.forward)), "fx"
+        run, codegen = make_boxed_func(gm.forward), "fx"
+    return _run_graph(run, moves_gradients=kind == "backward"), codegen
 
 
-def _reporting_stopped_ranks(run: Callable) -> Callable:
+def _run_graph(run: Callable, moves_gradients: bool) -> Callable:
     """``run`` (boxed); a failure while a rank has stopped at a compile-time check (a
-    collective whose partner exited) raises that rank's ``ScheduleError`` here too."""
+    collective whose partner exited) raises that rank's ``ScheduleError`` here too. A
+    backward graph (``moves_gradients``) queues :func:`compshard.sharding.move_local_gradients`
+    for the end of its backward pass: its gradients for the parameters' local tensors,
+    accumulated there by autograd, belong in the parameters' ``grad``."""
     def run_graph(args: list) -> Any:
         try:
-            return run(args)
+            outputs = run(args)
         except RuntimeError as error:
             rank_exchange.raise_if_a_rank_stopped(error)
             raise
+        if moves_gradients:
+            torch.autograd.Variable._execution_engine.queue_callback(sharding.move_local_gradients)
+        return outputs
 
     run_graph._boxed_call = True  # type: ignore[attr-defined]
     return run_graph

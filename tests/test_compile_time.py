@@ -10,6 +10,9 @@ are the ones it replaced.
   (``PeakModel``); every price equals the peak of a copy lowered with that plan
   (``lowered_peak``).
 - ``compshard.inspect`` reports the seconds of every pass.
+- Compiled graphs take the parameters' local tensors, never DTensors (tracing those as
+  tensor subclasses was a large part of compile time); a parameter frozen at ``shard``
+  and unfrozen later gets gradients.
 - World size 1: a ``torch.utils.checkpoint`` region inside a compiled sharded module trains.
 
 One world-size-2 spawn runs the distributed checks; the tests read its results.
@@ -96,9 +99,34 @@ def _peak_model_matches_lowering() -> dict:
             "coalesced": sum("+" in (c["bucket"] or "") for c in report.collectives)}
 
 
+def _plain_inputs_and_unfreezing(rank: int) -> dict:
+    """A GPT sharded with one parameter frozen, compiled: the tensor types its Dynamo graphs
+    take, and that parameter's gradient before and after it is unfrozen."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = GPT(GPT_CONFIG)
+    model.wpe.weight.requires_grad_(False)
+    model = compshard.shard(model)
+    input_types = set()
+
+    def recording_backend(gm, example_inputs):
+        input_types.update(type(t).__name__ for t in example_inputs if isinstance(t, torch.Tensor))
+        return compshard.compshard_backend(gm, example_inputs)
+
+    compiled = torch.compile(model, backend=recording_backend)
+    position = model.wpe._parameters["weight"]
+    compiled(*_batch(16, rank)).backward()
+    frozen_grad = position.grad
+    position.requires_grad_(True)
+    compiled(*_batch(16, rank)).backward()
+    return {"input_types": input_types, "frozen_grad": frozen_grad,
+            "unfrozen_grad_norm": None if position.grad is None else position.grad.full_tensor().norm().item()}
+
+
 def _worker(rank: int, world_size: int) -> dict:
     lengths = [_batch(length, rank) for length in LENGTHS]
     return {
+        "plain_inputs": _plain_inputs_and_unfreezing(rank),
         "default": _compiles(None, lengths),
         "dynamic": _compiles(True, lengths),
         "marked": _compiles(None, [_batch(16, rank, 2), _batch(24, rank, 3), _batch(40, rank, 4)], mark=True),
@@ -117,6 +145,14 @@ def test_new_lengths_do_not_recompile(results, case, most):
         got = rank_results[case]
         assert got["forward_graphs"] <= most, f"{case}: {got['forward_graphs']} compiles for {LENGTHS}"
         assert got["loss"] == pytest.approx(got["expected"], rel=1e-5, abs=1e-6)
+
+
+def test_compiled_graphs_take_local_tensors_and_unfrozen_parameters_train(results):
+    for rank_results in results:
+        got = rank_results["plain_inputs"]
+        assert got["input_types"] == {"Tensor"}, got["input_types"]  # no DTensor: no subclass tracing
+        assert got["frozen_grad"] is None
+        assert got["unfrozen_grad_norm"] is not None and got["unfrozen_grad_norm"] > 0
 
 
 def test_coalescing_prices_equal_lowered_copies(results):
