@@ -22,7 +22,7 @@ pytorch/torchtitan: eager FSDP2, 8 and 128 H100s, 5,762 and 5,605 tokens/s per G
 SXM datasheet part, and the HBM2e 500 W part those runs used (see compshard.hardware);
 and, at 128 GPUs, with compshard's default max_inflight_mb.
 
-Each plan compiles the model's first 2 and 3 blocks on fake tensors and extends the
+Each plan compiles the model's first 3 and 4 blocks on fake tensors and extends the
 estimates to all blocks (compshard.plan's depth="auto"). A table is printed and a JSON
 file written (--out) with the command, versions, the wall time and every number.
 """
@@ -79,6 +79,13 @@ GiB = 2**30
 
 
 def llama_8b(layers: int) -> torch.nn.Module:
+    # transformers imports torchvision whenever it is installed, and the registry's
+    # torchvision (the [test] extra) is a CUDA build that fails to import next to the CPU
+    # torch: the test suite's shim makes its pure-Python part importable.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.real_models import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(hidden_size=4096, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
