@@ -25,7 +25,8 @@ trace every block). With ``depth="auto"`` a model whose blocks form a stack of a
 parameter shapes) is planned with its first ``PLANNED_BLOCKS`` (3 and 4) blocks, and every
 estimate is extended linearly by the difference (one middle block: the first blocks start
 the prefetch chain, whose look-ahead reaches past the first middle block, and the last
-stays gathered into backward), when nothing couples the blocks of the schedule: one bucket per block (``buckets="auto"``), a block's gathered bytes over
+stays gathered into backward), when nothing couples the blocks of the schedule: one
+bucket per block (``buckets="auto"``), a block's gathered bytes over
 ``bucket_mb`` (so no collective joins two blocks), no global budget (``memory_budget_mb``,
 ``recompute={"budget_mb": ...}``). Parameters and optimizer state come from the full
 model's shapes. ``depth="exact"`` compiles the whole model.

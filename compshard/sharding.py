@@ -126,7 +126,7 @@ def _sharded_property(name: str) -> property:
 
 
 @torch._dynamo.assume_constant_result
-def spec_of(module: nn.Module, name: str) -> ParamSpec:
+def _spec_of(module: nn.Module, name: str) -> ParamSpec:
     """The spec of ``module``'s sharded parameter ``name``. Dynamo takes the result as a
     constant, guarding only the module's identity: ``shard`` fixes a module's specs for
     good, and guards on each of their fields made compiling slow and added nothing."""
@@ -134,7 +134,7 @@ def spec_of(module: nn.Module, name: str) -> ParamSpec:
 
 
 def _unshard(module: nn.Module, name: str) -> torch.Tensor:
-    spec = spec_of(module, name)
+    spec = _spec_of(module, name)
     state = module._compshard_grad_sync
     if state.step_gathered is not None:  # compshard.step_gather: gathered once for the step
         gathered = state.step_gathered.get(spec.fqn)
