@@ -91,7 +91,8 @@ class ParamSpec:
     compute_device: torch.device | None  # offload: where the shard is copied to before gathering
 
     # compshard::unshard's arguments after the shard and before the gradient sync ones
-    # (see compshard.ops.UnshardArgs): derived from the fields above
+    # (see compshard.ops.UnshardArgs), derived from the fields above. A stored field, not a
+    # property: Dynamo would trace a property's code at every parameter read.
     unshard_args: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
@@ -146,9 +147,9 @@ def _unshard(module: nn.Module, name: str) -> torch.Tensor:
     shard = _local_rows(param)
     if spec.compute_device is not None:
         shard = shard.to(spec.compute_device, non_blocking=True)
-    if torch.compiler.is_compiling():
-        return torch.ops.compshard.unshard(shard, *spec.unshard_args, *state.claim(spec.fqn))
     args = (*spec.unshard_args, *state.claim(spec.fqn))
+    if torch.compiler.is_compiling():
+        return torch.ops.compshard.unshard(shard, *args)
     communicates = spec.world_size > 1 or bool(spec.replicate_group)
     return eager_gather.gather(param, shard, args, state.eager, communicates)
 
@@ -527,8 +528,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     _CHECKED.add(optimizer)
 
 
-# id -> weak reference, for every DTensor parameter whose local tensor compiled graphs take
-_ROUTED: dict[int, weakref.ref] = {}
+# every DTensor parameter whose local tensor compiled graphs take, by id
+_ROUTED: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
 
 
 def _route_local_gradients(param: nn.Parameter) -> None:
@@ -538,17 +539,15 @@ def _route_local_gradients(param: nn.Parameter) -> None:
     (Not a hook on the tensor: a tensor freed on a communication thread while the
     interpreter exits would take its Python hook down with the process.)"""
     param._local_tensor.requires_grad_(True)
-    key = id(param)
-    _ROUTED[key] = weakref.ref(param, lambda _: _ROUTED.pop(key, None))
+    _ROUTED[id(param)] = param
 
 
 def move_local_gradients() -> None:
     """Add the gradient each sharded parameter's local tensor holds to the parameter's
     ``grad`` (as a DTensor), leaving the local tensor's own ``grad`` empty. The backend
     queues it at the end of every backward pass that runs a compiled backward graph."""
-    for ref in list(_ROUTED.values()):
-        param = ref()
-        if param is None or param._local_tensor.grad is None:
+    for param in list(_ROUTED.values()):
+        if param._local_tensor.grad is None:
             continue
         grad, param._local_tensor.grad = param._local_tensor.grad, None
         eager_gather.accumulate_grad(param, grad)
