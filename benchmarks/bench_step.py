@@ -23,7 +23,8 @@ parameters + gradients + optimizer state per rank, the final loss, and:
   the time is the median of --comm-repeats replays (after one untimed), the largest over
   ranks. Where the collectives come from:
     compshard: compshard.inspect on a freshly sharded copy (its report's all-gathers,
-      reduce-scatters and all-reduces).
+      reduce-scatters and all-reduces; on gloo its reduce-scatters are all-to-alls and a
+      local sum, replayed as such).
     FSDP2 (eager and compiled alike): from the fully_shard units of a freshly wrapped
       copy: one all-gather per unit in forward, one more in backward for every unit
       resharded after forward (all but the root), one reduce-scatter per unit; sizes are
@@ -111,6 +112,7 @@ class Collective:
 
     kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
     nbytes: int
+    exchange: bool = False  # a reduce-scatter run as an all-to-all and a local sum (compshard on gloo)
 
 
 # ------------------------------------------------------------- collectives per system
@@ -121,7 +123,8 @@ def compshard_collectives(reference: nn.Module, batch: tuple[torch.Tensor, ...],
     model = compshard.shard(copy.deepcopy(reference).to(batch[0].device))
     report = compshard.inspect(model, *batch, options=options)
     torch._dynamo.reset()
-    return [Collective(c["kind"], c["bytes"]) for c in report.collectives if c["kind"] != "free"]
+    return [Collective(c["kind"], c["bytes"], c["op"] == "all_to_all_single")
+            for c in report.collectives if c["kind"] != "free"]
 
 
 def fsdp2_collectives(reference: nn.Module, device: torch.device, world_size: int) -> list[Collective]:
@@ -178,11 +181,15 @@ def replay_seconds(collectives: list[Collective], device: torch.device, repeats:
     numels = [math.ceil(c.nbytes / element / world_size) * world_size for c in collectives]
     full = torch.zeros(max(numels, default=0), dtype=REPLAY_DTYPE, device=device)
     shard = torch.zeros(full.numel() // world_size, dtype=REPLAY_DTYPE, device=device)
+    received = torch.zeros_like(full) if any(c.exchange for c in collectives) else None
 
     def replay() -> None:
         for collective, numel in zip(collectives, numels):
             if collective.kind == "all_gather":
                 ALL_GATHER(full[:numel], shard[: numel // world_size])
+            elif collective.exchange:
+                dist.all_to_all_single(received[:numel], full[:numel])
+                torch.sum(received[:numel].view(world_size, -1), 0, out=shard[: numel // world_size])
             elif collective.kind == "reduce_scatter":
                 REDUCE_SCATTER(shard[: numel // world_size], full[:numel])
             elif collective.kind == "all_reduce":

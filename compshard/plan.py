@@ -57,10 +57,10 @@ from torch import fx, nn
 from compshard import cost_model, hardware as hardware_presets
 from compshard.compile_plan import COLLECTIVE_KINDS, MiB, node_meta, set_node_meta
 from compshard.hardware import Hardware, Measured
-from compshard.ops import ShardLayout
+from compshard.ops import ShardLayout, simulated_backends
 from compshard.options import CompileOptions
 from compshard.passes.fx_utils import producer
-from compshard.passes.memory_model import backend_scratch_bytes, simulated_backends, storages
+from compshard.passes.memory_model import backend_scratch_bytes, storages
 from compshard.report import Report, inspect
 from compshard.sizes import nbytes
 from compshard.sharding import STRATEGIES, shard

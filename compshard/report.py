@@ -53,8 +53,10 @@ class Report:
         graphs: graph name -> scheduled GraphModule.
         collectives: one dict per collective start or free, in graph order, with keys
             ``graph``, ``kind``, ``unit`` (the module of its first parameter), ``bytes``,
-            ``params``, ``node``, ``bucket`` (the bucket names joined by ``+`` when
-            buckets share the collective) and, for frees, ``of`` (``"buffer"``: the
+            ``params``, ``node``, ``op`` (the operator that runs it, e.g.
+            ``"reduce_scatter_tensor"``, or ``"all_to_all_single"`` for a reduce-scatter
+            run as an exchange on gloo), ``bucket`` (the bucket names joined by ``+``
+            when buckets share the collective) and, for frees, ``of`` (``"buffer"``: the
             all-gather output, ``"params"``: the bucket's unpacked parameters).
         buckets: one dict per bucket of every plan: ``name``, ``plan`` (its index in
             ``plans``), ``params``, ``bytes`` (gathered), ``keep_gathered`` and
@@ -114,7 +116,8 @@ class Report:
         self._bucket_of = [{param: b.name for b in plan.buckets or () for param in b.params} for plan in self.plans]
         self.collectives = [
             {"graph": graph_name, "kind": meta.kind, "unit": meta.unit, "bytes": meta.bytes,
-             "params": list(meta.params), "node": node.name, "bucket": self._bucket_label(meta, graph_name),
+             "params": list(meta.params), "node": node.name, "op": _op_name(node),
+             "bucket": self._bucket_label(meta, graph_name),
              "of": meta.freed}
             for graph_name, gm in self.graphs.items()
             for node in gm.graph.nodes
@@ -281,6 +284,12 @@ class Report:
 
 _STREAMS = ("compute", "comm")  # the estimated timeline's threads, tids 1 and 2
 _FREED = {"buffer": "gather buffer", "params": "unpacked params"}
+
+
+def _op_name(node: fx.Node) -> str:
+    """The operator's name without namespace and overload (``all_gather_into_tensor_out``)."""
+    target = node.target
+    return target._opname if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
 
 
 def _only_views(node: fx.Node) -> bool:

@@ -187,8 +187,9 @@ def _gather_index(graph) -> dict[str, int]:
 
 
 def _scratch_check(world_size: int) -> dict:
-    """Bytes gloo allocates for itself during an all-gather and a reduce-scatter (profiler
-    allocation events, the output excluded) against the memory estimate's figure."""
+    """Bytes gloo allocates for itself during an all-gather, a reduce-scatter and the
+    all-to-all that runs compshard's reduce-scatters on gloo (profiler allocation events,
+    the output excluded) against the memory estimate's figure."""
     from torch.distributed.distributed_c10d import _get_default_group
     from compshard.passes.memory_model import backend_scratch_bytes
     from compshard.passes.fx_utils import c10d
@@ -197,19 +198,23 @@ def _scratch_check(world_size: int) -> dict:
     shard, full = torch.randn(4096), torch.randn(4096 * world_size)
     cases = {"all_gather": (c10d.all_gather_into_tensor_out.default, (shard, world_size, group),
                             {"out": torch.empty(4096 * world_size)}),
-             "reduce_scatter": (c10d.reduce_scatter_tensor.default, (full, "sum", world_size, group), {})}
+             "reduce_scatter": (c10d.reduce_scatter_tensor.default, (full, "sum", world_size, group), {}),
+             "exchange": (c10d.all_to_all_single.default, (full, [4096] * world_size, [4096] * world_size, group),
+                          {})}
     found = {}
     for kind, (op, args, kwargs) in cases.items():
         graph = torch.fx.Graph()
         inputs = [graph.placeholder(f"x{i}") for i, _ in enumerate(args[:1])]
         inputs[0].meta["val"] = args[0]
         start = graph.call_function(op, (inputs[0], *args[1:]), kwargs)
-        start.meta.update(val=kwargs.get("out", torch.empty(4096)), compshard=NodeMeta(kind, ("p",)))
+        output = {"all_gather": None, "reduce_scatter": torch.empty(4096), "exchange": torch.empty_like(full)}[kind]
+        scheduled_as = "reduce_scatter" if kind == "exchange" else kind
+        start.meta.update(val=kwargs.get("out", output), compshard=NodeMeta(scheduled_as, ("p",)))
         graph.call_function(c10d.wait_tensor.default, (start,))
         run = lambda: c10d.wait_tensor.default(op(*args, **kwargs))  # noqa: E731
         run()
         allocated = sum(size for size in allocations(run) if size > 0)
-        output = 0 if kwargs else shard.nbytes  # an out= op allocates no output; a reduce-scatter this rank's rows
+        output = 0 if output is None else output.nbytes  # an out= op allocates no output
         found[kind] = (allocated - output, backend_scratch_bytes(start))
     return found
 
@@ -256,6 +261,13 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     local = tuple(t.chunk(world_size)[rank] for t in batch)
     report = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, profile=True)
     results["reshard"] = _schedule_facts(report)
+    results["reduce_ops"] = sorted({c["op"] for c in report.collectives if c["kind"] == "reduce_scatter"})
+    buffer = torch.randn(world_size * 1000, generator=torch.Generator().manual_seed(rank))
+    group = torch.distributed.group.WORLD.group_name
+    results["exchange_equals_reduce_scatter"] = torch.equal(
+        ops.reduce_scatter_sum(buffer, world_size, group),
+        torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.reduce_scatter_tensor(buffer, "sum", world_size, group)))
     results["peak_bytes"] = {"auto": report.peak_bytes}
     auto, measured = _compiled(model, local)
     results["forward_peak"] = {"auto": (auto.peak_bytes["forward"], measured)}
@@ -395,7 +407,17 @@ def test_coalesced_buckets_share_collectives_but_are_freed_apart(schedule_result
 def test_memory_estimate_counts_the_backend_scratch_of_collectives(schedule_results):
     for result in schedule_results:
         for kind, (measured, estimated) in result["scratch"].items():
-            assert measured > 0 and estimated == measured, (kind, measured, estimated)
+            assert estimated == measured, (kind, measured, estimated)
+            assert (measured > 0) == (kind != "exchange"), (kind, measured)  # the all-to-all allocates its output only
+
+
+def test_reduce_scatters_on_gloo_are_exchanges_summed_locally(schedule_results):
+    """gloo runs a reduce-scatter as an all-reduce (twice the bytes); compshard's compiled
+    backward and eager reduce_grad exchange rows with an all-to-all and sum them, with
+    the same bits at two ranks."""
+    for result in schedule_results:
+        assert result["reduce_ops"] == ["all_to_all_single"], result["reduce_ops"]
+        assert result["exchange_equals_reduce_scatter"]
 
 
 def test_inference_graph_gathers_and_frees_every_bucket(schedule_results):

@@ -58,21 +58,24 @@ def test_predicted_peak_memory_is_within_10_percent_of_a_measured_run_at_world_s
     assert abs(report.memory.peak - measured_peak) <= 0.10 * measured_peak, (report.memory, measured_peak)
 
 
-# Few tokens and a large vocabulary: the gradients outweigh the activations, so the
-# backward's peak falls while reduce-scatters are in flight (as the width-384 GPT's at 4 ranks).
-GRADIENT_BOUND_GPT = GPTConfig(vocab_size=4096, block_size=8, n_layer=2, n_head=4, n_embd=128)
+# Two tokens and wide blocks: the parameters outweigh the activations, so the backward's
+# peak falls while a block's all-gather is in flight.
+GATHER_BOUND_GPT = GPTConfig(vocab_size=256, block_size=2, n_layer=2, n_head=4, n_embd=256)
 
 
 def test_plan_counts_the_scratch_gloo_holds_for_collectives_in_flight():
-    """gloo clones a reduce-scatter's input and receives an all-gather into a temporary,
-    held until the wait (``memory_model.backend_scratch_bytes``); NCCL holds none. The
-    plan's breakdown was read after its fake process groups were gone, and then counted
-    none of it (the width-384 GPT at 4 ranks: 11 MiB, 10.6%, under its measured peak)."""
-    model = _meta_gpt(GRADIENT_BOUND_GPT)
-    x, y = _local_batch(GRADIENT_BOUND_GPT, 0, 4)
+    """gloo receives an all-gather into temporaries held until the wait
+    (``memory_model.backend_scratch_bytes``); NCCL holds none. The plan's breakdown was
+    read after its fake process groups were gone, and then counted none of it (the
+    width-384 GPT at 4 ranks: 11 MiB, 10.6%, under its measured peak). The plan builds
+    each backend's reduce-scatter: an all-to-all and a local sum on gloo, NCCL's own."""
+    model = _meta_gpt(GATHER_BOUND_GPT)
+    x, y = _local_batch(GATHER_BOUND_GPT, 0, 4)
     on_gloo, on_nccl = (compshard.plan(model, x, y, world_size=4, hardware=Measured(Costs(), backend))
                         for backend in ("gloo", "nccl"))
     assert on_gloo.memory.collective_buffers > on_nccl.memory.collective_buffers, (on_gloo.memory, on_nccl.memory)
+    for report, op in ((on_gloo, "all_to_all_single"), (on_nccl, "reduce_scatter_tensor")):
+        assert {c["op"] for c in report.schedule.collectives if c["kind"] == "reduce_scatter"} == {op}
 
 
 def _rank0_shard_bytes(model: torch.nn.Module, shard_size: int) -> int:

@@ -6,7 +6,8 @@ After, per collective of the coalescing, as soon as the last of its gradients ex
 (just before the latest member's marker): a ``pack`` node
 (``compshard::reduce_scatter_copy_in``: flatten, cast to the reduce dtype, divide by the
 world size, zero-pad into the rank-major buffer) and the ``reduce_scatter_tensor`` start
-(sum); just before the first use of any member's
+(sum; on gloo an all-to-all of the buffer, whose received rows the unpack sums first:
+see ``ops.reduce_scatters_by_exchange``); just before the first use of any member's
 result that computes with it (for gradients that only leave the graph, through views
 or not: the end of the graph; the deferral pass may pull it earlier to bound the bytes
 in flight): the ``wait_tensor`` and ``unpack`` nodes
@@ -34,7 +35,7 @@ import torch
 from torch import fx
 
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta
-from compshard.ops import ShardLayout, group_size
+from compshard.ops import ShardLayout, group_size, reduce_scatters_by_exchange
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     FakeValues, aten, c10d, collective_members, compshard_ops, emit, first_use, is_op, is_view, node_order, op_arg,
@@ -93,8 +94,8 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
                       fake_values: FakeValues | None) -> tuple[fx.Node, ...] | None:
     """Reduce-scatter the buckets of ``group`` (usually one; several when coalesced) within
     the shard group (when it has more than one rank), then all-reduce across the replica
-    group (when there is one). Returns, for both, the reduce-scatter's start and wait and
-    the all-reduce's start."""
+    group (when there is one). Returns, for both, the reduce-scatter's start, its wait with
+    the nodes that finish the reduction, and the all-reduce's start."""
     members = [member for _, bucket_members in group for member in bucket_members]
     bucket_names = tuple(bucket.name for bucket, _ in group)
     first, *_ = member_args = [reduce_grad_args(member) for member in members]
@@ -106,6 +107,7 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
     shard_numels = [ShardLayout(tuple(a.full_shape), world_size, rank=0).padded_shard_numel for a in member_args]
     locals_ = [m.meta["val"] for m in members]
     nbytes = world_size * sum(shard_numels) * dtype.itemsize
+    exchange = world_size > 1 and reduce_scatters_by_exchange(group_name, first.grad.meta["val"].device)
     reduced_label = label if replicas == 1 else f"{label}.replicas"  # the collective whose result is unpacked
 
     def meta(kind: str, params: list[str], size: int, collective: str = label) -> NodeMeta:
@@ -119,7 +121,11 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
         packed = add(compshard_ops.reduce_scatter_copy_in.default,
                      (grads, shard_numels, world_size, dtype, float(world_size * replicas)),
                      meta("pack", names, nbytes, reduced_label if world_size == 1 else label))
-        if world_size > 1:
+        if exchange:
+            rows = [sum(shard_numels)] * world_size
+            start = add(c10d.all_to_all_single.default, (packed, rows, rows, group_name),
+                        meta("reduce_scatter", names, nbytes))
+        elif world_size > 1:
             start = add(c10d.reduce_scatter_tensor.default, (packed, "sum", world_size, group_name),
                         meta("reduce_scatter", names, nbytes))
         else:  # no sharding: all-reduce as soon as the bucket is packed
@@ -137,13 +143,18 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
     with graph.inserting_before(anchor):
         reduced = add(c10d.wait_tensor.default, (start,),
                       meta("wait", names, nbytes, label if world_size > 1 else reduced_label))
+        waited = [reduced]  # the wait and the nodes that finish the reduction
+        if exchange:  # this rank's rows from every rank, summed in rank order
+            rows_view = add(aten.view.default, (reduced, [world_size, sum(shard_numels)]),
+                            meta("unpack", names, 0))
+            reduced = add(aten.sum.dim_IntList, (rows_view, [0]), meta("unpack", names, shard_bytes))
+            waited += [rows_view, reduced]
         handoff = None
         if world_size > 1 and replicas > 1:
-            handoff = (start, reduced)
             across = add(c10d.all_reduce.default, (reduced, "sum", replicate_group),
                          meta("all_reduce", names, shard_bytes, reduced_label))
+            handoff = (start, tuple(waited), across)
             reduced = add(c10d.wait_tensor.default, (across,), meta("wait", names, shard_bytes, reduced_label))
-            handoff = (*handoff, across)
         unpacked = add(compshard_ops.reduce_scatter_copy_out.default,
                        (reduced, shard_numels, [math.prod(v.shape) for v in locals_], locals_[0].dtype),
                        meta("unpack", names, sum(v.numel() for v in locals_) * locals_[0].dtype.itemsize,
@@ -163,12 +174,12 @@ def _hand_off_early(graph: fx.Graph, handoffs: list[tuple[fx.Node, ...]]) -> Non
     compute hides the reduce-scatter, the rest of it the all-reduce."""
     order = node_order(graph)
     handoffs = sorted(handoffs, key=lambda h: order[h[0]])
-    for (_, wait, across), (next_start, _, _) in zip(handoffs, handoffs[1:]):
+    for (_, waited, across), (next_start, _, _) in zip(handoffs, handoffs[1:]):
         next_pack = op_arg(next_start, "input")
         (across_wait,) = across.users
         if order[across_wait] > order[next_pack]:  # its result is not needed before then
-            next_pack.prepend(wait)
-            next_pack.prepend(across)
+            for node in (*waited, across):
+                next_pack.prepend(node)
 
 
 def reduced_in_bucket(reduce_grad: fx.Node) -> bool:

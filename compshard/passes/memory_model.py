@@ -16,20 +16,18 @@ themselves (coalescing prices candidate plans from them).
 
 from __future__ import annotations
 
-import contextlib
 import operator
 from dataclasses import dataclass
-from typing import Iterator
 
 from torch import fx
 
 from compshard.sizes import nbytes
-from compshard.ops import resolve_group
+from compshard.ops import backend_name
 from compshard.passes.fx_utils import (
     c10d, compshard_ops, first_arg, is_op, is_view, op_arg, producer, scheduled_kind,
 )
 
-__all__ = ["LiveProfile", "Storages", "backend_scratch_bytes", "live_bytes", "simulated_backends", "storages"]
+__all__ = ["LiveProfile", "Storages", "backend_scratch_bytes", "live_bytes", "storages"]
 
 
 def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bool) -> fx.Node | None:
@@ -44,37 +42,20 @@ def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bo
     return node
 
 
-_simulated: dict[str, str] = {}  # process group name -> the backend it stands for
-
-
-@contextlib.contextmanager
-def simulated_backends(backend_by_group: dict[str, str]) -> Iterator[None]:
-    """Within: these process groups (``compshard.plan``'s groups on the ``"fake"``
-    backend) count the scratch memory of the named backend (``"gloo"``, ``"nccl"``)."""
-    _simulated.update(backend_by_group)
-    try:
-        yield
-    finally:
-        for name in backend_by_group:
-            _simulated.pop(name, None)
-
-
 def backend_scratch_bytes(start: fx.Node) -> int:
     """Bytes the process group's backend allocates for itself while the collective
     ``start`` runs, until its wait. Measured with the profiler's allocation events on
     gloo (torch 2.13): an all-gather receives into two temporaries of its output's size,
     then copies them into the output; a reduce-scatter reduces a copy of its input; an
-    all-reduce allocates nothing beyond its output. None counted for other backends
-    (NCCL writes the output in place)."""
+    all-reduce, and the all-to-all of a reduce-scatter run as an exchange
+    (``ops.reduce_scatters_by_exchange``), allocate nothing beyond their output. None
+    counted for other backends (NCCL writes the output in place)."""
     kind = scheduled_kind(start)
     if kind not in ("all_gather", "reduce_scatter"):
         return 0
-    group_name = op_arg(start, "group_name")
-    try:
-        backend = _simulated.get(group_name) or resolve_group(group_name)._get_backend(start.meta["val"].device).name()
-    except (RuntimeError, ValueError, KeyError, AttributeError):  # no such group here: nothing known
+    if is_op(start, c10d.all_to_all_single.default):  # a reduce-scatter run as an exchange
         return 0
-    if backend != "gloo":
+    if backend_name(op_arg(start, "group_name"), start.meta["val"].device) != "gloo":
         return 0
     return 2 * nbytes(start.meta["val"]) if kind == "all_gather" else nbytes(op_arg(start, "input").meta["val"])
 
