@@ -151,6 +151,10 @@ def gather(param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reduct
     records, the reduction is deferred to the end of backward; otherwise the op runs as is.
     """
     args = UnshardArgs(shard, *unshard_args)
+    if args.grad_sync == "accumulate":
+        # The gradient goes to the sink, none to the shard: detached, no backward reaches
+        # the parameter (torch 2.11's to_local would hand it zeros for that None).
+        args = args._replace(shard=shard.detach())
     if not (communicates and args.grad_sync != "accumulate" and torch.is_grad_enabled() and param.requires_grad):
         return torch.ops.compshard.unshard(*args)
     gathered_dtype = args.param_dtype if args.param_dtype is not None else shard.dtype

@@ -66,9 +66,10 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 from compshard import cost_model
 from compshard.grad_sync import no_sync, reduce_accumulated_gradients
 from compshard.options import CompileOptions
-from compshard.pipeline_stages import Partition, build_stage_module, partition_stages
+from compshard.pipeline_stages import Partition, build_stage_module, partition_stages, stage_io_meta
 from compshard.sharding import shard
 from compshard.step_gather import gathered_for_step
+from compshard.torch_compat import TORCH_2_13
 
 __all__ = ["Pipeline", "PipelineReport", "RESHARD_MODES", "Reshard", "SCHEDULES", "bubble_fraction",
            "mean_step_loss", "pipeline", "sum_tied_gradients", "tied_gradient_groups"]
@@ -147,7 +148,12 @@ class Pipeline:
         self._bucket_bytes = int(CompileOptions.from_dict(compile_options).bucket_mb * 2**20)
         runner = torch.compile(self.module, backend="compshard", options=compile_options) if self._compiled \
             else self.module
-        stage = PipelineStage(runner, self.stage_index, self._stages, device, group=mesh["pp"].get_group())
+        # Torch 2.11's PipelineStage infers shapes by running the stage once without
+        # gradients, which compiles an extra graph; the captured shapes make that needless.
+        # Torch 2.13 infers them from the first step's real forward instead.
+        inputs_meta, outputs_meta = (None, None) if TORCH_2_13 else stage_io_meta(partition, self.stage_index)
+        stage = PipelineStage(runner, self.stage_index, self._stages, device, input_args=inputs_meta,
+                              output_args=outputs_meta, group=mesh["pp"].get_group())
         # A sharded stage divides by M in its one reduction per step; the schedule's own
         # division would find no gradient yet.
         self._schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn, scale_grads=not self._sharded)
@@ -161,9 +167,11 @@ class Pipeline:
         ``inputs`` (the model's positional inputs) and ``targets`` are this data-parallel
         replica's batch, split along dim 0 into the micro-batches; every rank passes them
         (only the first stage reads ``inputs``, only the last ``targets``). Returns the mean
-        loss over the micro-batches and data-parallel replicas, on every rank.
+        loss over the micro-batches and data-parallel replicas, on every rank. Inputs
+        are made contiguous first (a slice such as ``tokens[:, :-1]`` is not), since
+        torch's pipelining checks each micro-batch's strides against the stage's.
         """
-        args = _as_tuple(inputs)
+        args = tuple(a.contiguous() for a in _as_tuple(inputs))
         if [a.shape for a in args] != self._input_shapes:
             raise ValueError(
                 f"compshard.pipeline: step() inputs have shapes {[tuple(a.shape) for a in args]}; the stages were "

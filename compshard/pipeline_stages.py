@@ -34,7 +34,7 @@ those stages.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 from torch import fx, nn
@@ -315,6 +315,21 @@ def _tied(plans: list[StagePlan]) -> dict[str, list[int]]:
         for name in dict.fromkeys(plan.param_names):
             holders.setdefault(name, []).append(plan.index)
     return {name: stages for name, stages in holders.items() if len(stages) > 1}
+
+
+def stage_io_meta(partition: Partition, index: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+    """Meta tensors shaped as one micro-batch's values received and sent by stage
+    ``index``, structured as its module's inputs and output (see build_stage_module).
+    Given to torch's ``PipelineStage``, they replace its shape inference, which would
+    otherwise run (and, with torch 2.11, compile) an extra no-grad forward of the stage."""
+    plan = partition.stages[index]
+
+    def meta(node: fx.Node) -> torch.Tensor:
+        return torch.empty(node.meta["val"].shape, dtype=node.meta["val"].dtype, device="meta")
+
+    sent = tuple(meta(n) for n in plan.outputs)
+    is_last = index == len(partition.stages) - 1
+    return tuple(meta(n) for n in plan.inputs), sent[0] if is_last and not partition.output_is_tuple else sent
 
 
 def build_stage_module(partition: Partition, index: int) -> fx.GraphModule:

@@ -41,6 +41,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 from compshard import cost_model, eager_gather, ops
 from compshard.grad_sync import GradSync
 from compshard.module_tree import outermost_match, repeated_block, repeated_containers
+from compshard.torch_compat import constant_lookup
 
 __all__ = ["shard", "sharding_config", "ShardingConfig", "ParamSpec", "param_specs", "is_sharded", "plain_class",
            "STRATEGIES"]
@@ -126,11 +127,12 @@ def _sharded_property(name: str) -> property:
     return property(get, doc=f"'{name}' gathered to its full shape (compshard::unshard)")
 
 
-@torch._dynamo.assume_constant_result
+@constant_lookup
 def _spec_of(module: nn.Module, name: str) -> ParamSpec:
     """The spec of ``module``'s sharded parameter ``name``. Dynamo takes the result as a
     constant, guarding only the module's identity: ``shard`` fixes a module's specs for
-    good, and guards on each of their fields made compiling slow and added nothing."""
+    good, and guards on each of their fields made compiling slow and added nothing (not
+    with torch 2.11: see ``constant_lookup``)."""
     return module._compshard_specs[name]
 
 

@@ -7,7 +7,8 @@ guard, so no estimate makes Dynamo recompile for a new shape.
 from __future__ import annotations
 
 import torch
-from torch.fx.experimental.symbolic_shapes import optimization_hint
+
+from compshard.torch_compat import optimization_hint
 
 __all__ = ["size_hint", "nbytes"]
 
