@@ -312,7 +312,7 @@ def test_all_gather_copy_out_bit_exact(interpreter, dtype_pair):
 
 
 @requires_triton
-@pytest.mark.parametrize("divide_by", [None, 3.0, 7], ids=["nodiv", "div3", "div7"])
+@pytest.mark.parametrize("divide_by", [None, 3.0, 7, 4, 0.5], ids=["nodiv", "div3", "div7", "div4", "div0.5"])
 @pytest.mark.parametrize("dtype_pair", DTYPE_PAIRS, ids=_pair_id)
 def test_reduce_scatter_copy_in_bit_exact(interpreter, dtype_pair, divide_by):
     src_dtype, dtype = dtype_pair
@@ -411,6 +411,15 @@ def test_interpreter_rows_packing_is_transparent(interpreter, monkeypatch, rows_
     grads = [values(torch.bfloat16, n, seed=i) for i, n in enumerate(numels)]
     assert_bits_equal(K.reduce_scatter_copy_in(grads, lengths, 4, torch.float16, divide_by=10),
                       K.reduce_scatter_copy_in_reference(grads, lengths, 4, torch.float16, 10))
+
+
+def test_block_follows_segment_length():
+    """Short segments get small blocks (few masked lanes), long ones the largest block."""
+    largest = _triton_launch.block_size(torch.float32, torch.bfloat16)
+    assert _triton_launch.block_for((65,) * 1000, largest) == _triton_launch.MIN_BLOCK
+    assert _triton_launch.block_for((1 << 20, 7), largest) == largest
+    assert _triton_launch.block_for((1500,), largest) == 2048  # one item of 2048 beats one of 4096 or two of 1024
+    assert _triton_launch.block_for((), largest) == largest
 
 
 @requires_triton
@@ -623,15 +632,16 @@ def test_kernel_compiles_for_h100(monkeypatch, tmp_path):
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     kernel = _triton_launch.kernel_module(interpret=False).bucket_copy_kernel
     signature = {"meta_ptr": "*i64", "item_start_ptr": "*i64", "num_params": "i32", "num_items": "i32",
-                 "num_segments": "i32", "divide_by": "fp32"}
+                 "num_segments": "i32", "divisor": "fp32"}
     names = ["SRC_KIND", "DST_KIND", "CONVERT", "PAD", "DIVIDE", "ACCUMULATE", "SRC_ALIGN", "DST_ALIGN",
              "SEARCH_STEPS", "ROWS", "BLOCK"]
     signature.update({n: "constexpr" for n in names})
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
-    variants = [  # src, dst, pad, divide, accumulate, src/dst alignment (bytes)
-        (f32, bf16, True, True, False, 16),
-        (bf16, f32, False, False, True, 16),
-        (f16, f16, False, False, False, 2),
+    variants = [  # src, dst, pad, divide (0 none, 1 divide, 2 reciprocal multiply), accumulate, alignment (bytes)
+        (f32, bf16, True, 1, False, 16),
+        (bf16, bf16, False, 2, False, 16),
+        (bf16, f32, False, 0, True, 16),
+        (f16, f16, False, 0, False, 2),
     ]
     for src, dst, pad, divide, accumulate, align in variants:
         constexprs = dict(SRC_KIND=_triton_launch._KIND[src], DST_KIND=_triton_launch._KIND[dst],
@@ -647,8 +657,10 @@ def test_kernel_compiles_for_h100(monkeypatch, tmp_path):
         ptx = compiled.asm["ptx"]
         if align == 16:
             assert "ld.global.v4" in ptx, "aligned full blocks should use 16-byte loads"
-        if divide:
+        if divide == 1:
             assert "div.rn.f32" in ptx and "div.full" not in ptx
+        if divide == 2:
+            assert "mul.rn.f32" in ptx and "div.rn.f32" not in ptx and "div.full" not in ptx
 
 
 @requires_triton
@@ -667,8 +679,11 @@ def test_cuda_matches_reference():  # pragma: no cover - runs on GPU machines on
             assert_lists_bits_equal([t.cpu() for t in got],
                                     K.all_gather_copy_out_reference(gathered, lengths, SHAPES, world_size, dtype))
             grads = [values(src_dtype, n, seed=20 + i) for i, n in enumerate(NUMELS)]
-            got = K.reduce_scatter_copy_in([g.to(device) for g in grads], lengths, world_size, dtype, divide_by=3)
-            assert_bits_equal(got.cpu(), K.reduce_scatter_copy_in_reference(grads, lengths, world_size, dtype, 3))
+            for divide_by in (3, 8):  # a division, and a power of two (multiplied by its reciprocal)
+                got = K.reduce_scatter_copy_in([g.to(device) for g in grads], lengths, world_size, dtype,
+                                               divide_by=divide_by)
+                assert_bits_equal(got.cpu(),
+                                  K.reduce_scatter_copy_in_reference(grads, lengths, world_size, dtype, divide_by))
             reduced = values(src_dtype, S, seed=4)
             local = [max(L - 1, 0) for L in lengths]
             init = [values(dtype, n, seed=9 + i) for i, n in enumerate(local)]

@@ -105,13 +105,21 @@ def _narrow_exact(v, KIND: tl.constexpr):
     return y
 
 
-def _convert(x, acc, divide_by, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr,
+def _convert(x, acc, divisor, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr,
              CONVERT: tl.constexpr, DIVIDE: tl.constexpr, ACCUMULATE: tl.constexpr):
-    """``x.to(dst)``, then ``/ divide_by`` (IEEE division), then ``acc + ...``; one rounding per step."""
+    """``x.to(dst)``, then ``/ divide_by``, then ``acc + ...``; one rounding per step.
+
+    DIVIDE 1: IEEE division by ``divisor`` (the divisor itself). DIVIDE 2: ``divisor``
+    holds ``1 / divide_by`` for a power-of-two ``divide_by``; the product is then the same
+    real number as the quotient, rounded once the same way (subnormals included), so the
+    bits are equal, at the cost of one multiply instead of a correctly rounded division.
+    """
     if CONVERT:
         v = _round_in_f32(_widen_to_f32(x, SRC_KIND), DST_KIND)
-        if DIVIDE:
-            v = _round_in_f32(tl.math.div_rn(v, divide_by), DST_KIND)
+        if DIVIDE == 1:
+            v = _round_in_f32(tl.math.div_rn(v, divisor), DST_KIND)
+        elif DIVIDE == 2:
+            v = _round_in_f32(v * divisor, DST_KIND)
         if ACCUMULATE:
             v = _round_in_f32(_widen_to_f32(acc, DST_KIND) + v, DST_KIND)
         y = _narrow_exact(v, DST_KIND)
@@ -126,12 +134,12 @@ def bucket_copy_kernel(
     num_params,
     num_items,  # item_start[num_params]
     num_segments,  # 1, or world_size for a rank-major buffer
-    divide_by,  # fp32 scalar, read only when DIVIDE
+    divisor,  # fp32 scalar, read only when DIVIDE: divide_by (1), or its exact reciprocal (2)
     SRC_KIND: tl.constexpr,
     DST_KIND: tl.constexpr,
     CONVERT: tl.constexpr,  # False: same dtype and no arithmetic -> raw copy
     PAD: tl.constexpr,  # write zeros past valid[p] (up to the segment end)
-    DIVIDE: tl.constexpr,
+    DIVIDE: tl.constexpr,  # 0: none; 1: divide by divisor; 2: multiply by divisor (see _convert)
     ACCUMULATE: tl.constexpr,  # dst = dst + converted src
     SRC_ALIGN: tl.constexpr,  # bytes every segment's source start is a multiple of (1..16)
     DST_ALIGN: tl.constexpr,
@@ -196,7 +204,7 @@ def bucket_copy_kernel(
     else:
         acc = x  # unused
 
-    y = _convert(x, acc, divide_by, SRC_KIND, DST_KIND, CONVERT, DIVIDE, ACCUMULATE)
+    y = _convert(x, acc, divisor, SRC_KIND, DST_KIND, CONVERT, DIVIDE, ACCUMULATE)
 
     if full:
         tl.store(dst, y)

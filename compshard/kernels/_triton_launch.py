@@ -21,13 +21,20 @@ from types import ModuleType
 
 import torch
 
-# Launch configuration for compiled kernels: one program copies BLOCK_BYTES of
-# the wider of the two dtypes (4096 elements when fp32 is involved, 8192 for
-# 16-bit to 16-bit) with NUM_WARPS warps: 16-32 elements, i.e. several 16-byte
-# vectors, per thread and 40-64 registers on sm_90.  Large blocks amortise the
-# per-program binary search.
+# Launch configuration for compiled kernels: one program copies at most
+# BLOCK_BYTES of the wider of the two dtypes (4096 elements when fp32 is
+# involved, 8192 for 16-bit to 16-bit) with NUM_WARPS warps: 16-32 elements,
+# i.e. several 16-byte vectors, per thread and 40-64 registers on sm_90.  Large
+# blocks amortise the per-program binary search; where segments are short (many
+# small parameters, or rank-major buffers cut into world_size segments each) a
+# launch takes a smaller block with proportionally fewer warps, down to
+# MIN_BLOCK elements (see block_for), so that few lanes sit masked.
 BLOCK_BYTES = 16384
 NUM_WARPS = 8
+MIN_BLOCK = 256
+# What one work item costs beyond its lanes (the binary search and the metadata
+# loads), in lanes: block_for's price of cutting a segment into more items.
+ITEM_COST_LANES = 1024
 # The interpreter runs programs one after another in Python (a few ms each), so
 # it uses a small block (small test tensors then span several blocks,
 # exercising both the full-block and the masked path) and, for buckets with
@@ -83,6 +90,21 @@ def block_size(src_dtype: torch.dtype, dst_dtype: torch.dtype) -> int:
 
 
 @functools.lru_cache(maxsize=512)
+def block_for(seg_lens: tuple[int, ...], largest: int) -> int:
+    """The block (a power of two, MIN_BLOCK to ``largest`` elements) that covers the
+    segments at the least cost: lanes launched plus ITEM_COST_LANES per work item.
+    Any block gives the same bits; only the speed differs."""
+    best, best_cost, block = largest, None, largest
+    while True:
+        cost = sum(-(-n // block) for n in seg_lens) * (block + ITEM_COST_LANES)
+        if best_cost is None or cost < best_cost:
+            best, best_cost = block, cost
+        if block // 2 < MIN_BLOCK:
+            return best
+        block //= 2
+
+
+@functools.lru_cache(maxsize=512)
 def _item_starts(seg_lens: tuple[int, ...], num_segments: int, block: int) -> tuple[int, ...]:
     starts = [0]
     for n in seg_lens:
@@ -96,6 +118,18 @@ def _alignment(addresses: Sequence[int], rank_strides: Sequence[int], itemsize: 
     if num_segments > 1 and g > itemsize:
         g = math.gcd(g, *(s * itemsize for s in rank_strides))
     return g
+
+
+def _division(divide_by: float | None) -> tuple[int, float]:
+    """The kernel's DIVIDE mode and its divisor argument: 0 (no division), 2 with the
+    reciprocal for a power of two (exact, so a multiply gives the quotient's bits), else
+    1 with ``divide_by`` itself."""
+    if divide_by is None:
+        return 0, 1.0
+    divide_by = float(divide_by)
+    if 2.0**-126 <= divide_by <= 2.0**126 and math.frexp(divide_by)[0] == 0.5:  # reciprocal a normal fp32
+        return 2, 1.0 / divide_by
+    return 1, divide_by
 
 
 def launch(
@@ -120,7 +154,8 @@ def launch(
     Arguments must be validated: addresses and lengths are trusted.
     """
     num_params = len(seg_lens)
-    block = INTERPRET_BLOCK if interpret else block_size(src_dtype, dst_dtype)
+    largest = block_size(src_dtype, dst_dtype)
+    block = INTERPRET_BLOCK if interpret else block_for(seg_lens, largest)
     item_starts = _item_starts(seg_lens, num_segments, block)
     total_items = item_starts[-1]
     if total_items == 0:
@@ -135,20 +170,21 @@ def launch(
     module = kernel_module(interpret)
     src_itemsize = src_dtype.itemsize
     dst_itemsize = dst_dtype.itemsize
+    divide, divisor = _division(divide_by)
     args = (
         meta,
         meta[module.META_FIELDS * num_params :],
         num_params,
         total_items,
         num_segments,
-        1.0 if divide_by is None else float(divide_by),
+        divisor,
     )
     constexprs = dict(
         SRC_KIND=_KIND[src_dtype],
         DST_KIND=_KIND[dst_dtype],
         CONVERT=src_dtype != dst_dtype or divide_by is not None or accumulate,
         PAD=pad,
-        DIVIDE=divide_by is not None,
+        DIVIDE=divide,
         ACCUMULATE=accumulate,
         SRC_ALIGN=_alignment(src_addrs, src_rank_strides, src_itemsize, num_segments),
         DST_ALIGN=_alignment(dst_addrs, dst_rank_strides, dst_itemsize, num_segments),
@@ -164,4 +200,5 @@ def launch(
         with torch.cuda.device(device):
             # No multiply-add exists in the kernel; disabling fusion just makes the
             # IEEE semantics explicit (and silences triton 3.9's default warning).
-            kernel[grid](*args, **constexprs, num_warps=NUM_WARPS, enable_fp_fusion=False)
+            num_warps = max(1, NUM_WARPS * block // largest)
+            kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
