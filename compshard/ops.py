@@ -381,7 +381,12 @@ def _(grads, shard_numels, world_size, dtype, divide_by):
 def reduce_scatter_copy_out(
     reduced: torch.Tensor, shard_numels: list[int], local_numels: list[int], dtype: torch.dtype
 ) -> list[torch.Tensor]:
-    return _kernel("reduce_scatter_copy_out", [dtype, reduced.dtype])(reduced, shard_numels, local_numels, dtype)
+    """This rank's rows of each parameter, cast to ``dtype``: one tensor each, since a
+    custom op's outputs may not alias one another (the kernels' default is views of one
+    buffer)."""
+    shards = [reduced.new_empty(n, dtype=dtype) for n in local_numels]
+    _kernel("reduce_scatter_copy_out", [dtype, reduced.dtype])(reduced, shard_numels, local_numels, dtype, out=shards)
+    return shards
 
 
 @reduce_scatter_copy_out.register_fake

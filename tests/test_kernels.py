@@ -8,7 +8,9 @@ Three layers:
     the references (all dtype pairs, odd sizes, 1-element and empty shards,
     NaN/inf/denormals/rounding ties, 1 to 1,000 parameters), plus checks that
     nothing outside the destination is written and nothing past a source is read;
-  * argument validation (clear TypeError/ValueError, nothing written).
+  * argument validation (clear TypeError/ValueError, nothing written);
+  * sharded training at world size 2 whose copies run through the kernels (as on a
+    GPU), against single-process eager training.
 
 The interpreter is selected per call by TRITON_INTERPRET=1 (set with
 monkeypatch), so the tests do not depend on import order.  Without triton the
@@ -325,17 +327,24 @@ def test_reduce_scatter_copy_in_bit_exact(interpreter, dtype_pair, divide_by):
 
 
 @requires_triton
-@pytest.mark.parametrize("accumulate", [False, True], ids=["new", "accumulate"])
+@pytest.mark.parametrize("mode", ["new", "out", "accumulate"])
 @pytest.mark.parametrize("dtype_pair", DTYPE_PAIRS, ids=_pair_id)
-def test_reduce_scatter_copy_out_bit_exact(interpreter, dtype_pair, accumulate):
+def test_reduce_scatter_copy_out_bit_exact(interpreter, dtype_pair, mode):
     src_dtype, dtype = dtype_pair
     lengths, S = _bucket(2)
     local = [max(L - (i % 2), 0) for i, L in enumerate(lengths)]
     reduced, reduced_buf = guarded(values(src_dtype, S, seed=3))
-    if not accumulate:
-        got = K.reduce_scatter_copy_out(reduced, lengths, local, dtype)
-        expected = K.reduce_scatter_copy_out_reference(reduced, lengths, local, dtype)
-        assert_lists_bits_equal(got, expected, "reduce_scatter_copy_out")
+    expected = K.reduce_scatter_copy_out_reference(reduced, lengths, local, dtype)
+    if mode == "new":
+        assert_lists_bits_equal(K.reduce_scatter_copy_out(reduced, lengths, local, dtype), expected,
+                                "reduce_scatter_copy_out")
+    elif mode == "out":
+        outs = [guarded(torch.empty(n, dtype=dtype)) for n in local]
+        got = K.reduce_scatter_copy_out(reduced, lengths, local, dtype, out=[o for o, _ in outs])
+        assert all(g is o for g, (o, _) in zip(got, outs))
+        assert_lists_bits_equal(got, expected, "reduce_scatter_copy_out(out=)")
+        for o, buf in outs:
+            check_guards(buf, o.numel())
     else:
         init = [values(dtype, n, seed=50 + i) for i, n in enumerate(local)]
         accs = [guarded(t) for t in init]
@@ -542,6 +551,13 @@ BAD_CALLS = {
     "accumulate_into/len": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 3], torch.float32,
                                                               accumulate_into=[torch.zeros(2)]),
                             ValueError, "accumulate_into has 1 tensors"),
+    "out/numel": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 3], torch.float32,
+                                                    out=[torch.zeros(2), torch.zeros(4)]),
+                  ValueError, r"out\[1\] has 4 elements but local_numels\[1\] is 3"),
+    "out/and-accumulate_into": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 3], torch.float32,
+                                                                  accumulate_into=[torch.zeros(2), torch.zeros(3)],
+                                                                  out=[torch.zeros(2), torch.zeros(3)]),
+                                ValueError, "takes accumulate_into or out, not both"),
 }
 
 
@@ -617,6 +633,36 @@ def test_import_without_triton():
 
 
 # --------------------------------------------------------------------------- compiled kernel (no GPU needed / GPU)
+
+
+def _train_through_kernels(rank: int, world_size: int) -> dict:
+    os.environ["TRITON_INTERPRET"] = "1"  # CPU tensors take the Triton path, as CUDA tensors do
+    from tests.training import parity
+
+    launches = []
+    launch = _triton_launch.launch
+    _triton_launch.launch = lambda **kwargs: launches.append(kwargs["num_segments"]) or launch(**kwargs)
+    results = {}
+    for name in ("gpt", "uneven"):
+        launches.clear()
+        got = parity(name, rank, world_size)
+        results[name] = (got["loss"], max(got["params"].values()), len(launches))
+    return results
+
+
+@requires_triton
+def test_sharded_training_through_the_kernels_matches_eager():
+    """The bucket copies of compiled sharded training, run by the Triton kernels: inside
+    the graphs' custom ops their outputs must not alias (a custom op's outputs may not),
+    and the numbers must be eager's. (Uncompiled training gathers parameter by parameter,
+    without these copies.)"""
+    from tests.distributed import run_distributed
+    from tests.training import RTOL
+
+    for results in run_distributed(_train_through_kernels, 2):
+        for case, (loss_error, param_error, launches) in results.items():
+            assert launches > 0, case
+            assert loss_error <= RTOL and param_error <= RTOL, (case, loss_error, param_error)
 
 
 @requires_triton

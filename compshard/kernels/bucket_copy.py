@@ -272,14 +272,16 @@ def reduce_scatter_copy_out(
     local_numels: Sequence[int],
     dtype: torch.dtype,
     accumulate_into: Sequence[torch.Tensor] | None = None,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Unpack a reduce-scatter output (length ``S``) into per-parameter gradient shards.
 
     Shard i is ``reduced[off[i] : off[i] + local_numels[i]]`` cast to ``dtype``
     (``local_numels[i] <= L[i]``).  With ``accumulate_into``, computes
-    ``accumulate_into[i] += shard_i`` (same numel, any shape, that dtype,
-    contiguous, same device) and returns those tensors; otherwise returns 1-D
-    views of one new flat buffer (one allocation, shared storage).
+    ``accumulate_into[i] += shard_i``; with ``out``, writes shard i into ``out[i]``
+    (either: same numel, any shape, that dtype, contiguous, same device; not both)
+    and returns those tensors; otherwise returns 1-D views of one new flat buffer (one
+    allocation, shared storage).
     """
     layout = layout_for(shard_numels)
     k = len(layout.shard_numels)
@@ -294,18 +296,23 @@ def reduce_scatter_copy_out(
     for i, (n, length) in enumerate(zip(local, layout.shard_numels)):
         if n > length:
             raise ValueError(f"local_numels[{i}] = {n} exceeds shard_numels[{i}] = {length}")
-    if accumulate_into is not None:
-        accumulate_into, _ = check_tensor_list("accumulate_into", accumulate_into, k, device, dtype)
-        for i, (t, n) in enumerate(zip(accumulate_into, local)):
+    if accumulate_into is not None and out is not None:
+        raise ValueError("reduce_scatter_copy_out takes accumulate_into or out, not both")
+    destinations = out if accumulate_into is None else accumulate_into
+    name = "out" if accumulate_into is None else "accumulate_into"
+    if destinations is not None:
+        destinations, _ = check_tensor_list(name, destinations, k, device, dtype)
+        for i, (t, n) in enumerate(zip(destinations, local)):
             if t.numel() != n:
-                raise ValueError(f"accumulate_into[{i}] has {t.numel()} elements but local_numels[{i}] is {n}")
-    backend = select_backend(device, [reduced, *(accumulate_into or ())])
+                raise ValueError(f"{name}[{i}] has {t.numel()} elements but local_numels[{i}] is {n}")
+    backend = select_backend(device, [reduced, *(destinations or ())])
     if backend == "reference":
-        return reduce_scatter_copy_out_reference(reduced, layout.shard_numels, local, dtype, accumulate_into)
-    if accumulate_into is None:
+        return reduce_scatter_copy_out_reference(reduced, layout.shard_numels, local, dtype, accumulate_into,
+                                                 None if accumulate_into is not None else destinations)
+    if destinations is None:
         results = list(torch.split(torch.empty(sum(local), dtype=dtype, device=device), local))
     else:
-        results = list(accumulate_into)
+        results = list(destinations)
     base, itemsize = reduced.data_ptr(), reduced.dtype.itemsize
     _triton_launch.launch(
         interpret=backend == "interpreter",

@@ -104,11 +104,17 @@ def reduce_scatter_copy_out_reference(
     local_numels: Sequence[int],
     dtype: torch.dtype,
     accumulate_into: Sequence[torch.Tensor] | None = None,
+    out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
-    """Shard i = ``reduced[off[i] : off[i] + local_numels[i]].to(dtype)``, or added into ``accumulate_into[i]``."""
+    """Shard i = ``reduced[off[i] : off[i] + local_numels[i]].to(dtype)``, written into
+    ``out[i]`` when given, or added into ``accumulate_into[i]``."""
     layout = _layout(tuple(shard_numels))
     results = []
     for i, (off, n) in enumerate(zip(layout.offsets, local_numels)):
+        if out is not None:
+            out[i].view(-1).copy_(reduced[off : off + n])
+            results.append(out[i])
+            continue
         value = reduced[off : off + n].to(dtype=dtype, copy=True)
         if accumulate_into is not None:
             accumulate_into[i].view(-1).add_(value)
