@@ -5,7 +5,7 @@ For every kernel, bucket size and parameter count it reports GB/s of the
 Triton kernel and of the torch baseline, their ratio, and the kernel's share
 of the device's measured device-to-device copy bandwidth (a plain large
 ``Tensor.copy_``).  GB/s always counts bytes read + bytes written (so a copy
-of N bytes moves 2N), for the kernels, the baselines and the D2D copy alike.
+of N bytes moves 2N), for the kernels, the baselines and the reference copy alike.
 
 Kernels (P = --param-dtype, C = --comm-dtype, W = --world-size):
   ag_in   shards (P) -> all-gather input (C)        baseline: torch.cat(shards).to(C)
@@ -22,7 +22,14 @@ enough for the host to queue the whole loop, so the numbers are device time
 even when Python launch overhead is larger than the copy; the host time per
 call is reported separately ("host us").
 
+With --cpu the same sweep runs on the CPU at the sizes asked for, through the
+path compshard takes there (the pure-torch reference; TRITON_INTERPRET unset),
+timed call by call (median over --repeats), against a plain CPU copy of
+--d2d-mb MiB instead of the D2D copy, with --threads intra-op threads (the
+benchmarks' training runs give each of 2 ranks on 2 cores one thread).
+
     python benchmarks/bench_kernels.py                  # full sweep on a GPU
+    python benchmarks/bench_kernels.py --cpu --sizes-mb 1 16 64 --comm-dtype fp32   # the CPU path
     python benchmarks/bench_kernels.py --cpu-smoke      # seconds, on CPU: proves the script runs
 """
 
@@ -56,14 +63,19 @@ def parse_args(argv=None):
     p.add_argument("--unaligned", action="store_true", help="odd shard lengths (no 16-byte vector accesses)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats; the median is reported")
     p.add_argument("--target-ms", type=float, default=20.0, help="approximate length of one timed loop")
-    p.add_argument("--d2d-mb", type=float, default=1024, help="size (MiB) of the reference device-to-device copy")
+    p.add_argument("--d2d-mb", type=float, default=1024, help="size (MiB) of the reference copy (device-to-device; with --cpu a CPU copy)")
     p.add_argument("--block-bytes", type=int, default=None, help="override the kernel block size (tuning)")
     p.add_argument("--num-warps", type=int, default=None, help="override the kernel's num_warps (tuning)")
     p.add_argument("--no-check", action="store_true", help="skip the bitwise check against the baseline")
+    p.add_argument("--cpu", action="store_true",
+                   help="measure the CPU path (the torch reference) at the sizes given, against a CPU copy")
+    p.add_argument("--threads", type=int, default=None, help="with --cpu: torch's intra-op threads (default: torch's)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny sizes on CPU (reference path, or the Triton interpreter if TRITON_INTERPRET=1): "
                         "checks that the script runs, numbers are meaningless")
     args = p.parse_args(argv)
+    if args.threads is not None and (args.threads < 1 or not args.cpu):
+        p.error("--threads needs --cpu and must be at least 1")
     if args.world_size < 1 or args.world_size & (args.world_size - 1):
         p.error("--world-size must be a power of two (so that the baselines' division is exact)")
     return args
@@ -230,7 +242,15 @@ def d2d_bandwidth(nbytes: int, timer, device: torch.device) -> float:
 
 
 def main(args) -> int:
-    if args.cpu_smoke:
+    if args.cpu:
+        if K.select_backend(torch.device("cpu")) != "reference":
+            log("bench_kernels.py: --cpu measures the CPU path compshard trains with; unset TRITON_INTERPRET")
+            return 2
+        device = torch.device("cpu")
+        if args.threads:
+            torch.set_num_threads(args.threads)
+        timer = CpuTimer(args.repeats, args.target_ms)
+    elif args.cpu_smoke:
         device = torch.device("cpu")
         small = 0.25
         if K.select_backend(device) == "interpreter":  # Triton's interpreter is slow: tiny buckets, packed programs
@@ -243,7 +263,8 @@ def main(args) -> int:
     else:
         if not torch.cuda.is_available():
             log("bench_kernels.py: no CUDA device is available; this benchmark measures GPU bandwidth.\n"
-                "Run it on a machine with an NVIDIA GPU, or pass --cpu-smoke to check that the script runs.")
+                "Run it on a machine with an NVIDIA GPU, pass --cpu to measure the CPU path, or --cpu-smoke to check "
+                "that the script runs.")
             return 2
         device = torch.device("cuda")
         timer = CudaTimer(args.repeats, args.target_ms)
@@ -252,12 +273,14 @@ def main(args) -> int:
     if args.num_warps:
         _triton_launch.NUM_WARPS = args.num_warps
     backend = K.select_backend(device)
-    device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else platform.processor() or "cpu"
+    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
+                   else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads")
     log(f"device: {device_name}; kernels run via: {backend}")
 
-    log(f"measuring device-to-device copy bandwidth ({args.d2d_mb:g} MiB) ...")
+    copy_name = "D2D" if device.type == "cuda" else "CPU"
+    log(f"measuring the {copy_name} copy bandwidth ({args.d2d_mb:g} MiB) ...")
     d2d = d2d_bandwidth(int(args.d2d_mb * MiB), timer, device)
-    log(f"  D2D copy: {d2d:.1f} GB/s")
+    log(f"  {copy_name} copy: {d2d:.1f} GB/s")
 
     configs = [(k, s, n) for k in args.kernels for s in args.sizes_mb for n in args.params]
     rows, failures = [], []
@@ -281,7 +304,7 @@ def main(args) -> int:
             "ours_host_us": host_ours * 1e6, "torch_host_us": host_base * 1e6, "matches_baseline": ok,
         }
         rows.append(row)
-        log(f"  ours {row['ours_gbps']:.1f} GB/s ({row['pct_of_d2d']:.0f}% of D2D), "
+        log(f"  ours {row['ours_gbps']:.1f} GB/s ({row['pct_of_d2d']:.0f}% of {copy_name} copy), "
             f"torch {row['torch_gbps']:.1f} GB/s, x{row['speedup']:.2f}")
         del ours, baseline, check
         if device.type == "cuda":
@@ -293,9 +316,9 @@ def main(args) -> int:
               f"{r['speedup']:.2f}", f"{r['pct_of_d2d']:.0f}", f"{r['ours_us']:.1f}", f"{r['torch_us']:.1f}",
               f"{r['ours_host_us']:.1f}", {True: "ok", False: "MISMATCH", None: "-"}[r["matches_baseline"]]]
              for r in rows]
-    headers = ["kernel", "bucket MiB", "params", "ours GB/s", "torch GB/s", "speedup", "% D2D", "ours us", "torch us",
+    headers = ["kernel", "bucket MiB", "params", "ours GB/s", "torch GB/s", "speedup", f"% {copy_name}", "ours us", "torch us",
                "host us", "check"]
-    print(f"device: {device_name} | backend: {backend} | D2D copy: {d2d:.1f} GB/s | world size {args.world_size} | "
+    print(f"device: {device_name} | backend: {backend} | {copy_name} copy: {d2d:.1f} GB/s | world size {args.world_size} | "
           f"param {args.param_dtype}, comm {args.comm_dtype}{' | unaligned' if args.unaligned else ''}")
     print(tabulate(table, headers=headers, tablefmt="github"))
 

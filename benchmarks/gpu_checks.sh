@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The checks that need one NVIDIA GPU, in one run: the CUDA-only tests, the copy-kernel
+# benchmark (bf16 and fp32 collective buffers) and the step benchmark at world size 1
+# (NCCL) on three GPT sizes, the largest also with Inductor codegen. Results (JSON and one log) go to $OUT, else benchmarks/results/gpu.
+#
+#     bash benchmarks/gpu_checks.sh
+#
+# Each part has its own time limit, so one that fails or hangs does not cost the others.
+set -u
+cd "$(dirname "$0")/.."
+out=${OUT:-benchmarks/results/gpu}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+exec > >(tee "$out/gpu_checks.log") 2>&1
+
+part() {  # part SECONDS NAME COMMAND...: run one check under a limit, say how it ended
+    local limit=$1 name=$2 start=$SECONDS rc
+    shift 2
+    echo "=== $name"
+    timeout "$limit" "$@"
+    rc=$?
+    echo "=== $name: exit $rc after $((SECONDS - start)) s"
+}
+
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv
+python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
+
+part 90 "CUDA tests" python3 -m pytest -q -p no:cacheprovider tests/test_kernels.py -k "cuda or h100 or dispatch or block" \
+    tests/test_training_features.py::test_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_memory
+part 100 "kernels, bf16 buffers" python3 benchmarks/bench_kernels.py --repeats 5 --sizes-mb 1 4 16 64 256 --out "$out/kernels_bf16.json"
+part 45 "kernels, fp32 buffers" python3 benchmarks/bench_kernels.py --repeats 5 --comm-dtype fp32 \
+    --sizes-mb 4 64 256 --params 10 100 1000 --out "$out/kernels_fp32.json"
+step="torchrun --standalone --nproc-per-node 1 benchmarks/bench_step.py --systems compshard,fsdp2,ddp --warmup 3"
+part 75 "step, small GPT" $step --steps 30 --out "$out/step_small.json"
+part 75 "step, 47 MiB GPT" $step --steps 30 --size bandwidth --out "$out/step_bandwidth.json"
+part 110 "step, 12 x 1024 GPT" $step --steps 20 --size bandwidth --layers 12 --width 1024 --heads 16 --seq 512 \
+    --out "$out/step_large.json"
+part 120 "step, 12 x 1024 GPT, Inductor codegen" $step --steps 20 --size bandwidth --layers 12 --width 1024 --heads 16 \
+    --seq 512 --systems compshard --options '{"codegen": "inductor"}' --out "$out/step_large_inductor.json"
