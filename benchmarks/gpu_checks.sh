@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The checks that need one NVIDIA GPU, in one run: the CUDA-only tests, the copy-kernel
 # benchmark (bf16 and fp32 collective buffers) and the step benchmark at world size 1
-# (NCCL) on three GPT sizes, the largest also with Inductor codegen. Results (JSON and one log) go to $OUT, else benchmarks/results/gpu.
+# (NCCL) on three GPT sizes, the largest also with Inductor codegen. Results (JSON and one
+# log) go to $OUT, else benchmarks/results/gpu.
 #
 #     bash benchmarks/gpu_checks.sh
 #

@@ -94,14 +94,8 @@ def block_for(seg_lens: tuple[int, ...], largest: int) -> int:
     """The block (a power of two, MIN_BLOCK to ``largest`` elements) that covers the
     segments at the least cost: lanes launched plus ITEM_COST_LANES per work item.
     Any block gives the same bits; only the speed differs."""
-    best, best_cost, block = largest, None, largest
-    while True:
-        cost = sum(-(-n // block) for n in seg_lens) * (block + ITEM_COST_LANES)
-        if best_cost is None or cost < best_cost:
-            best, best_cost = block, cost
-        if block // 2 < MIN_BLOCK:
-            return best
-        block //= 2
+    candidates = [largest >> k for k in range(largest.bit_length()) if largest >> k >= MIN_BLOCK] or [largest]
+    return min(candidates, key=lambda block: sum(-(-n // block) for n in seg_lens) * (block + ITEM_COST_LANES))
 
 
 @functools.lru_cache(maxsize=512)

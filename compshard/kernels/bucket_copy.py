@@ -298,8 +298,7 @@ def reduce_scatter_copy_out(
             raise ValueError(f"local_numels[{i}] = {n} exceeds shard_numels[{i}] = {length}")
     if accumulate_into is not None and out is not None:
         raise ValueError("reduce_scatter_copy_out takes accumulate_into or out, not both")
-    destinations = out if accumulate_into is None else accumulate_into
-    name = "out" if accumulate_into is None else "accumulate_into"
+    name, destinations = ("out", out) if accumulate_into is None else ("accumulate_into", accumulate_into)
     if destinations is not None:
         destinations, _ = check_tensor_list(name, destinations, k, device, dtype)
         for i, (t, n) in enumerate(zip(destinations, local)):
@@ -307,8 +306,8 @@ def reduce_scatter_copy_out(
                 raise ValueError(f"{name}[{i}] has {t.numel()} elements but local_numels[{i}] is {n}")
     backend = select_backend(device, [reduced, *(destinations or ())])
     if backend == "reference":
-        return reduce_scatter_copy_out_reference(reduced, layout.shard_numels, local, dtype, accumulate_into,
-                                                 None if accumulate_into is not None else destinations)
+        validated = {name: destinations} if destinations is not None else {}
+        return reduce_scatter_copy_out_reference(reduced, layout.shard_numels, local, dtype, **validated)
     if destinations is None:
         results = list(torch.split(torch.empty(sum(local), dtype=dtype, device=device), local))
     else:
