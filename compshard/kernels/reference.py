@@ -12,6 +12,11 @@ Numerics, precisely:
   * accumulation is ``acc += x.to(acc.dtype)`` (again computed in fp32 for
     bf16/fp16 and rounded once);
   * padding is +0.0 and is never divided.
+
+Speed on CPU, where these run in training: the per-parameter work is done by one
+``torch._foreach_*`` call over views from one ``split`` (C++ loops, no Python per
+parameter), and only a parameter whose elements do not fill its ``world_size`` padded
+rows (a partial last row) takes Python steps of its own.
 """
 
 from __future__ import annotations
@@ -33,11 +38,14 @@ def all_gather_copy_in_reference(
     if not shards:
         return torch.empty(0, dtype=dtype)
     buffer = torch.empty(layout.total, dtype=dtype, device=shards[0].device) if out is None else out
-    for shard, off, length in zip(shards, layout.offsets, shard_numels):
-        n = shard.numel()
-        buffer[off : off + n].copy_(shard.reshape(-1))
-        if n < length:
-            buffer[off + n : off + length].zero_()
+    numels = [shard.numel() for shard in shards]
+    flat_shards = [shard.view(-1) for shard in shards]
+    if numels == list(shard_numels):  # no padding
+        torch._foreach_copy_(list(buffer.split(numels)), flat_shards)
+        return buffer
+    pieces = buffer.split([size for n, length in zip(numels, shard_numels) for size in (n, length - n)])
+    torch._foreach_copy_(list(pieces[0::2]), flat_shards)
+    torch._foreach_zero_([piece for piece in pieces[1::2] if piece.numel()])
     return buffer
 
 
@@ -50,23 +58,25 @@ def all_gather_copy_out_reference(
     out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Parameter i = concat over ranks of its segment in each rank's chunk, first numel(shape)
-    elements: into ``out`` when given, else views of one new flat tensor. The whole rows
-    (one per rank) are copied as one strided block, the partial last row after it."""
-    layout = _layout(tuple(shard_numels))
+    elements: into ``out`` when given, else views of one new flat tensor. A parameter
+    filling its rows is one strided block (column i of the ``(world_size, S)`` view);
+    a partial last row is copied after its whole rows."""
     dtype = gathered.dtype if dtype is None else dtype
-    per_rank = gathered.view(world_size, layout.total)
+    columns = gathered.view(world_size, -1).split(list(shard_numels), dim=1)
     numels = [math.prod(shape) for shape in shapes]
     if out is None:
         flat = torch.empty(sum(numels), dtype=dtype, device=gathered.device)
         out = [piece.view(tuple(shape)) for piece, shape in zip(flat.split(numels), shapes)]
-    for target, off, length, numel in zip(out, layout.offsets, shard_numels, numels):
-        target_flat = target.view(-1)
-        rows = numel // length if length else 0
+    full = [i for i, (numel, length) in enumerate(zip(numels, shard_numels)) if numel == world_size * length]
+    if full:
+        torch._foreach_copy_([out[i].view(world_size, shard_numels[i]) for i in full], [columns[i] for i in full])
+    for i in sorted(set(range(len(numels))) - set(full)):
+        target_flat, length, column = out[i].view(-1), shard_numels[i], columns[i]
+        rows, rest = divmod(numels[i], length)
         if rows:
-            target_flat[: rows * length].view(rows, length).copy_(per_rank[:rows, off : off + length])
-        rest = numel - rows * length
+            target_flat[: rows * length].view(rows, length).copy_(column[:rows])
         if rest:
-            target_flat[rows * length :].copy_(per_rank[rows, off : off + rest])
+            target_flat[rows * length :].copy_(column[rows, :rest])
     return list(out)
 
 
@@ -83,16 +93,19 @@ def reduce_scatter_copy_in_reference(
     layout = _layout(tuple(shard_numels))
     device = grads[0].device if len(grads) else None
     buffer = torch.empty(world_size, layout.total, dtype=dtype, device=device)
-    for grad, off, length in zip(grads, layout.offsets, shard_numels):
-        flat = grad.reshape(-1)
-        region = buffer[:, off : off + length]  # rank r's segment of this gradient is row r
-        rows = flat.numel() // length if length else world_size
+    regions = buffer.split(list(shard_numels), dim=1)  # rank r's segment of gradient i is row r of region i
+    numels = [grad.numel() for grad in grads]
+    full = [i for i, (numel, length) in enumerate(zip(numels, shard_numels)) if numel == world_size * length]
+    if full:
+        torch._foreach_copy_([regions[i] for i in full],
+                             [grads[i].view(world_size, shard_numels[i]) for i in full])
+    for i in sorted(set(range(len(numels))) - set(full)):  # whole rows, one partial row, zero padding
+        flat, length, region = grads[i].reshape(-1), shard_numels[i], regions[i]
+        rows, rest = divmod(numels[i], length) if length else (world_size, 0)
         region[:rows].copy_(flat[: rows * length].view(rows, length))
-        if rows < world_size:  # one partial row, then zero padding
-            rest = flat.numel() - rows * length
-            region[rows, :rest].copy_(flat[rows * length :])
-            region[rows, rest:].zero_()
-            region[rows + 1 :].zero_()
+        region[rows, :rest].copy_(flat[rows * length :])
+        region[rows, rest:].zero_()
+        region[rows + 1 :].zero_()
     if divide_by is not None:
         buffer.div_(float(divide_by))
     return buffer.view(-1)
@@ -107,17 +120,17 @@ def reduce_scatter_copy_out_reference(
     out: Sequence[torch.Tensor] | None = None,
 ) -> list[torch.Tensor]:
     """Shard i = ``reduced[off[i] : off[i] + local_numels[i]].to(dtype)``, written into
-    ``out[i]`` when given, or added into ``accumulate_into[i]``."""
-    layout = _layout(tuple(shard_numels))
-    results = []
-    for i, (off, n) in enumerate(zip(layout.offsets, local_numels)):
-        if out is not None:
-            out[i].view(-1).copy_(reduced[off : off + n])
-            results.append(out[i])
-            continue
-        value = reduced[off : off + n].to(dtype=dtype, copy=True)
-        if accumulate_into is not None:
-            accumulate_into[i].view(-1).add_(value)
-            value = accumulate_into[i]
-        results.append(value)
-    return results
+    ``out[i]`` when given, added into ``accumulate_into[i]`` (cast first, then added), or
+    else into views of one new flat tensor."""
+    if list(local_numels) == list(shard_numels):
+        pieces = reduced.split(list(local_numels))
+    else:
+        pieces = reduced.split([size for n, length in zip(local_numels, shard_numels) for size in (n, length - n)])[0::2]
+    if accumulate_into is not None:
+        values = list(pieces) if reduced.dtype == dtype else [piece.to(dtype) for piece in pieces]
+        torch._foreach_add_([acc.view(-1) for acc in accumulate_into], values)
+        return list(accumulate_into)
+    if out is None:
+        out = list(torch.empty(sum(local_numels), dtype=dtype, device=reduced.device).split(list(local_numels)))
+    torch._foreach_copy_([target.view(-1) for target in out], list(pieces))
+    return list(out)
