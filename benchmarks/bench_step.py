@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --systems compshard,fsdp2 --steps 3
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --options '{"prefetch": 1}'
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --size bandwidth   # 47 MiB of fp32 parameters
+    python benchmarks/bench_step.py --fake-world 8 --batch 64 --systems compshard,fsdp2   # one GPU, world size 8
 
 In one run, on the same machine, the same GPT (compshard.models; from the same weights)
 is trained on the same global batch by every system in --systems (harness.SYSTEMS,
@@ -45,6 +46,15 @@ Everything runs in fp32 (also on a GPU, where NCCL is used). A table is printed 
 0 and a JSON file (--out) holds the configuration, the command, torch version, device,
 world size and every number, raw step and replay times included.
 
+--fake-world N (without torchrun): one process stands in for rank 0 of N under torch's
+fake process group, whose collectives return at once and move no data. The step then
+holds everything a rank of N does but communicate: its compute on its local batch
+(--batch / N), the bucket copies (Triton kernels on a GPU), freeing and gathering, and
+each system's own overhead. So it prices sharding at world size N on one GPU with
+communication free; communication alone is not replayed (0), so "exposed comm" is each
+system's sharding overhead over the compute-only step, and the losses are not meaningful
+(the "gathered" parameters hold whatever the buffers held).
+
 Caveats: on CPU, 2 processes on 2 cores contend with each other (and gloo's threads)
 for the cores, so compute and communication cannot really overlap; the compute-only run
 suffers the same contention, which is why it is measured rather than taken from one
@@ -59,6 +69,7 @@ import argparse
 import copy
 import functools
 import math
+import os
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -66,19 +77,39 @@ from pathlib import Path
 
 from cli import SYSTEM_NAMES, add_workload_arguments, make_parser, parse_options, parse_systems, parse_workload_arguments
 
+
+def check_fake_world(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.fake_world < 2:
+        parser.error(f"--fake-world must be at least 2, got {args.fake_world}")
+    if "WORLD_SIZE" in os.environ:
+        parser.error("--fake-world runs one process on its own: start it with python, not torchrun")
+    if "ddp" in args.systems:
+        parser.error("--fake-world: DDP's gradient hooks fail under the fake process group; leave ddp out of "
+                     "--systems")
+    if args.batch % args.fake_world:
+        parser.error(f"--batch {args.batch} must be a multiple of --fake-world {args.fake_world}")
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
     add_workload_arguments(parser, per="system")
     parser.add_argument("--comm-repeats", type=int, default=10, help="timed replays of each system's collectives")
-    parser.add_argument("--systems", default=",".join(SYSTEM_NAMES), help=f"comma-separated, of {list(SYSTEM_NAMES)}")
+    parser.add_argument("--systems", default=argparse.SUPPRESS,
+                        help=f"comma-separated, of {list(SYSTEM_NAMES)} (default: all; with --fake-world all but ddp)")
     parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
+    parser.add_argument("--fake-world", type=int, default=None, metavar="N",
+                        help="run as rank 0 of N under torch's fake process group (no torchrun; communication free)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "step.json",
                         help="JSON file to write")
     args = parse_workload_arguments(parser, argv)
     if min(args.steps, args.warmup, args.batch, args.layers, args.comm_repeats) < 1:
         parser.error("--steps, --warmup, --batch, --layers and --comm-repeats must be at least 1")
+    if "systems" not in args:
+        args.systems = ",".join(name for name in SYSTEM_NAMES if not (args.fake_world and name == "ddp"))
     args.systems = parse_systems(parser, args.systems, SYSTEM_NAMES)
     args.options = parse_options(parser, args.options)
+    if args.fake_world is not None:
+        check_fake_world(parser, args)
     return args
 
 
@@ -277,6 +308,10 @@ def main(args: argparse.Namespace) -> None:
         compshard.CompileOptions.from_dict(args.options)
     except ValueError as error:
         raise SystemExit(f"--options: {error}") from None
+    if args.fake_world:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+
+        dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
     rank, world_size, device, cfg, reference, batch = start_workload(args)
     started = time.perf_counter()
 
@@ -289,16 +324,21 @@ def main(args: argparse.Namespace) -> None:
     results = train(wraps, reference, batch, steps=args.steps, warmup=args.warmup, device=device)
     rows: dict[str, dict] = {COMPUTE_ONLY: gather_row(results[COMPUTE_ONLY], [], [])}
     for system in args.systems:
-        comm_times = replay_seconds(collectives[system], device, args.comm_repeats)
-        progress(f"  {system}: {len(collectives[system])} collectives per step, "
-                 f"alone {statistics.median(comm_times) * 1e3:.1f} ms")
+        if args.fake_world:  # nothing moves: communication is free
+            comm_times = []
+            progress(f"  {system}: {len(collectives[system])} collectives per step (fake process group: not replayed)")
+        else:
+            comm_times = replay_seconds(collectives[system], device, args.comm_repeats)
+            progress(f"  {system}: {len(collectives[system])} collectives per step, "
+                     f"alone {statistics.median(comm_times) * 1e3:.1f} ms")
         rows[system] = gather_row(results[system], collectives[system], comm_times)
 
     table = summarize(rows, args.batch * cfg.block_size)
     if rank == 0:
         print(tabulate(table, headers=HEADERS))
         config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                  "comm_repeats": args.comm_repeats, "systems": args.systems, "options": args.options}
+                  "comm_repeats": args.comm_repeats, "systems": args.systems, "options": args.options,
+                  "fake_world": args.fake_world}
         write_results(args.out, device, config, started, rows)
     dist.barrier()  # tear down together: rank 0 was still writing
     dist.destroy_process_group()

@@ -1,10 +1,13 @@
 #!/usr/bin/env bash
 # The checks that need one NVIDIA GPU, in one run: the CUDA-only tests, the copy-kernel
-# benchmark (bf16 and fp32 collective buffers) and the step benchmark at world size 1
-# (NCCL) on three GPT sizes, the largest also with Inductor codegen. Results (JSON and one
-# log) go to $OUT, else benchmarks/results/gpu.
+# benchmark (bf16 and fp32 collective buffers), the step benchmark at world size 1
+# (NCCL) on three GPT sizes, the largest also with Inductor codegen, and the step at world
+# size 8 under the fake process group (communication free) on the same three. Results
+# (JSON and one log) go to $OUT, else benchmarks/results/gpu. ONLY (a bash regex) runs
+# just the parts whose names match it.
 #
 #     bash benchmarks/gpu_checks.sh
+#     ONLY="CUDA tests|fake world" bash benchmarks/gpu_checks.sh
 #
 # Each part has its own time limit, so one that fails or hangs does not cost the others.
 set -u
@@ -17,6 +20,7 @@ exec > >(tee "$out/gpu_checks.log") 2>&1
 part() {  # part SECONDS NAME COMMAND...: run one check under a limit, say how it ended
     local limit=$1 name=$2 start=$SECONDS rc
     shift 2
+    [[ -z "${ONLY:-}" || "$name" =~ $ONLY ]] || return 0
     echo "=== $name"
     timeout "$limit" "$@"
     rc=$?
@@ -38,3 +42,8 @@ part 110 "step, 12 x 1024 GPT" $step --steps 20 --size bandwidth --layers 12 --w
     --out "$out/step_large.json"
 part 120 "step, 12 x 1024 GPT, Inductor codegen" $step --steps 20 --size bandwidth --layers 12 --width 1024 --heads 16 \
     --seq 512 --systems compshard --options '{"codegen": "inductor"}' --out "$out/step_large_inductor.json"
+fake="python3 benchmarks/bench_step.py --fake-world 8 --systems compshard,fsdp2 --warmup 3 --batch 64"
+part 60 "step at fake world 8, small GPT" $fake --steps 30 --out "$out/fake8_small.json"
+part 75 "step at fake world 8, 47 MiB GPT" $fake --steps 30 --size bandwidth --out "$out/fake8_bandwidth.json"
+part 150 "step at fake world 8, 12 x 1024 GPT" $fake --steps 20 --size bandwidth --layers 12 --width 1024 --heads 16 \
+    --seq 512 --out "$out/fake8_large.json"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -33,3 +35,33 @@ def test_help_is_fast_and_shows_defaults(script):
     assert "exit 0" in done.stdout
     assert "torch imported: False" in done.stdout
     assert "(default: 20)" in done.stdout or "(default: 7)" in done.stdout  # --steps, or bench_kernels' --repeats
+
+
+def run_bench_step(*args: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(BENCHMARKS / "bench_step.py"), *args, "--out", str(tmp_path / "step.json")],
+                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS,
+                          env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")})
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--fake-world", "1"], "--fake-world must be at least 2"),
+    (["--fake-world", "4", "--systems", "compshard,ddp"], "leave ddp out"),
+    (["--fake-world", "3", "--batch", "8", "--systems", "compshard"], "--batch 8 must be a multiple of --fake-world 3"),
+])
+def test_fake_world_rejects_what_it_cannot_run(args, message, tmp_path):
+    done = run_bench_step(*args, tmp_path=tmp_path)
+    assert done.returncode == 2 and message in done.stderr, done.stderr
+
+
+def test_fake_world_step_runs_as_rank_0_of_n(tmp_path):
+    """One process under the fake process group: compshard's step at world size 4 (its
+    collectives derived, none replayed) beside the compute-only step."""
+    done = run_bench_step("--fake-world", "4", "--batch", "4", "--steps", "1", "--warmup", "1", "--systems", "compshard",
+                          "--layers", "1", "--width", "32", "--heads", "2", "--seq", "16", "--vocab", "64",
+                          tmp_path=tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "step.json").read_text())
+    assert record["world_size"] == 4 and record["config"]["fake_world"] == 4
+    rows = {row_name: row for row_name, row in record["results"].items()}
+    assert rows["compshard"]["collectives"] and rows["compshard"]["comm_seconds"] == 0.0
+    assert rows["compshard"]["median_step_seconds"] > 0 and rows["compute-only"]["median_step_seconds"] > 0
