@@ -29,6 +29,22 @@ import torch
 from ._checks import _layout
 
 
+def _segments(flat: torch.Tensor, used: Sequence[int], lengths: Sequence[int]) -> tuple[list, list]:
+    """``flat`` cut into consecutive segments of ``lengths[i]`` elements: views of the first
+    ``used[i]`` elements of each, and of the non-empty rests (padding)."""
+    if list(used) == list(lengths):
+        return list(flat.split(list(lengths))), []
+    pieces = flat.split([size for n, length in zip(used, lengths) for size in (n, length - n)])
+    return list(pieces[0::2]), [piece for piece in pieces[1::2] if piece.numel()]
+
+
+def _filling(numels: Sequence[int], shard_numels: Sequence[int], world_size: int) -> tuple[list[int], list[int]]:
+    """Indices of the parameters that fill their ``world_size`` rows of ``shard_numels[i]``
+    (one strided block each), and of the others (a partial last row)."""
+    full = [i for i, (numel, length) in enumerate(zip(numels, shard_numels)) if numel == world_size * length]
+    return full, sorted(set(range(len(numels))) - set(full))
+
+
 def all_gather_copy_in_reference(
     shards: Sequence[torch.Tensor], shard_numels: Sequence[int], dtype: torch.dtype, out: torch.Tensor | None = None
 ) -> torch.Tensor:
@@ -38,14 +54,10 @@ def all_gather_copy_in_reference(
     if not shards:
         return torch.empty(0, dtype=dtype)
     buffer = torch.empty(layout.total, dtype=dtype, device=shards[0].device) if out is None else out
-    numels = [shard.numel() for shard in shards]
-    flat_shards = [shard.view(-1) for shard in shards]
-    if numels == list(shard_numels):  # no padding
-        torch._foreach_copy_(list(buffer.split(numels)), flat_shards)
-        return buffer
-    pieces = buffer.split([size for n, length in zip(numels, shard_numels) for size in (n, length - n)])
-    torch._foreach_copy_(list(pieces[0::2]), flat_shards)
-    torch._foreach_zero_([piece for piece in pieces[1::2] if piece.numel()])
+    data, padding = _segments(buffer, [shard.numel() for shard in shards], shard_numels)
+    torch._foreach_copy_(data, [shard.view(-1) for shard in shards])
+    if padding:
+        torch._foreach_zero_(padding)
     return buffer
 
 
@@ -67,10 +79,10 @@ def all_gather_copy_out_reference(
     if out is None:
         flat = torch.empty(sum(numels), dtype=dtype, device=gathered.device)
         out = [piece.view(tuple(shape)) for piece, shape in zip(flat.split(numels), shapes)]
-    full = [i for i, (numel, length) in enumerate(zip(numels, shard_numels)) if numel == world_size * length]
+    full, partial = _filling(numels, shard_numels, world_size)
     if full:
         torch._foreach_copy_([out[i].view(world_size, shard_numels[i]) for i in full], [columns[i] for i in full])
-    for i in sorted(set(range(len(numels))) - set(full)):
+    for i in partial:
         target_flat, length, column = out[i].view(-1), shard_numels[i], columns[i]
         rows, rest = divmod(numels[i], length)
         if rows:
@@ -95,11 +107,10 @@ def reduce_scatter_copy_in_reference(
     buffer = torch.empty(world_size, layout.total, dtype=dtype, device=device)
     regions = buffer.split(list(shard_numels), dim=1)  # rank r's segment of gradient i is row r of region i
     numels = [grad.numel() for grad in grads]
-    full = [i for i, (numel, length) in enumerate(zip(numels, shard_numels)) if numel == world_size * length]
+    full, partial = _filling(numels, shard_numels, world_size)
     if full:
-        torch._foreach_copy_([regions[i] for i in full],
-                             [grads[i].view(world_size, shard_numels[i]) for i in full])
-    for i in sorted(set(range(len(numels))) - set(full)):  # whole rows, one partial row, zero padding
+        torch._foreach_copy_([regions[i] for i in full], [grads[i].view(world_size, shard_numels[i]) for i in full])
+    for i in partial:  # whole rows, one partial row, zero padding
         flat, length, region = grads[i].reshape(-1), shard_numels[i], regions[i]
         rows, rest = divmod(numels[i], length) if length else (world_size, 0)
         region[:rows].copy_(flat[: rows * length].view(rows, length))
@@ -122,15 +133,12 @@ def reduce_scatter_copy_out_reference(
     """Shard i = ``reduced[off[i] : off[i] + local_numels[i]].to(dtype)``, written into
     ``out[i]`` when given, added into ``accumulate_into[i]`` (cast first, then added), or
     else into views of one new flat tensor."""
-    if list(local_numels) == list(shard_numels):
-        pieces = reduced.split(list(local_numels))
-    else:
-        pieces = reduced.split([size for n, length in zip(local_numels, shard_numels) for size in (n, length - n)])[0::2]
+    pieces, _ = _segments(reduced, local_numels, shard_numels)
     if accumulate_into is not None:
-        values = list(pieces) if reduced.dtype == dtype else [piece.to(dtype) for piece in pieces]
+        values = pieces if reduced.dtype == dtype else [piece.to(dtype) for piece in pieces]
         torch._foreach_add_([acc.view(-1) for acc in accumulate_into], values)
         return list(accumulate_into)
     if out is None:
         out = list(torch.empty(sum(local_numels), dtype=dtype, device=reduced.device).split(list(local_numels)))
-    torch._foreach_copy_([target.view(-1) for target in out], list(pieces))
+    torch._foreach_copy_([target.view(-1) for target in out], pieces)
     return list(out)
