@@ -62,6 +62,6 @@ def test_fake_world_step_runs_as_rank_0_of_n(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "step.json").read_text())
     assert record["world_size"] == 4 and record["config"]["fake_world"] == 4
-    rows = {row_name: row for row_name, row in record["results"].items()}
+    rows = record["results"]
     assert rows["compshard"]["collectives"] and rows["compshard"]["comm_seconds"] == 0.0
     assert rows["compshard"]["median_step_seconds"] > 0 and rows["compute-only"]["median_step_seconds"] > 0

@@ -112,7 +112,7 @@ def reduce_scatter_copy_in_reference(
         torch._foreach_copy_([regions[i] for i in full], [grads[i].view(world_size, shard_numels[i]) for i in full])
     for i in partial:  # whole rows, one partial row, zero padding
         flat, length, region = grads[i].reshape(-1), shard_numels[i], regions[i]
-        rows, rest = divmod(numels[i], length) if length else (world_size, 0)
+        rows, rest = divmod(numels[i], length)  # length > 0: an empty shard fills its rows
         region[:rows].copy_(flat[: rows * length].view(rows, length))
         region[rows, :rest].copy_(flat[rows * length :])
         region[rows, rest:].zero_()
