@@ -24,6 +24,7 @@ sustained rate: on a shared machine a few short timings see the CPU at full spee
 
 from __future__ import annotations
 
+import statistics
 import time
 from dataclasses import dataclass, field, replace
 from typing import Callable, Sequence
@@ -76,6 +77,10 @@ class Hardware:
 
     def op_seconds(self, node: fx.Node) -> float | None:
         """Presets estimate every op (the cost model): nothing is timed."""
+        return None
+
+    def graph_seconds(self, gm: fx.GraphModule) -> float | None:
+        """Presets run no graph."""
         return None
 
     def group_costs(self, ranks: Sequence[int], compute_dtype: torch.dtype) -> Costs:
@@ -163,7 +168,11 @@ class Measured:
     (:func:`sustained_seconds`) while every rank does the same, as in training; the
     schedule is decided with them. The step is then priced from timings: each op of the
     scheduled graphs run on random tensors of its shapes (:meth:`op_seconds`; ops larger
-    than ``OP_TIMING_BYTES`` keep the estimate), scaled by how much faster the
+    than ``OP_TIMING_BYTES`` keep the estimate), then each graph run end to end on such
+    inputs (:meth:`graph_seconds`), its ops' timings scaled to that run (an op repeated
+    alone finds its data and code in cache; in the graph it follows other ops, allocates
+    afresh, and the graph's own code runs between ops: the small benchmark GPT's graphs
+    ran 1.1 to 1.6 times the sum of their ops alone), both scaled by how much faster the
     calibration's matmul runs now than it did then (the planning process may have the
     machine to itself, training ranks share it), and ``step_tensor_seconds`` per
     parameter tensor for what a step does outside its graphs (guards, DTensor wrapping
@@ -187,18 +196,46 @@ class Measured:
         key = cost_model.signature(node)
         if key is None or node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
             return None
-        device = torch.device(self.device)
         if (key, self.device) not in _op_seconds:
-            _op_seconds[key, self.device] = _time_op(node, device)
-        if self not in _load_factors:  # the calibration's matmul, now against then
-            flops_now, _ = cost_model.measure_compute(device, sustained_seconds)
-            _load_factors[self] = flops_now / self.costs.flops_per_second
+            _op_seconds[key, self.device] = _time_op(node, torch.device(self.device))
         seconds = _op_seconds[key, self.device]
-        return None if seconds is None else seconds * _load_factors[self]
+        return None if seconds is None else seconds * self._load_factor()
+
+    def graph_seconds(self, gm: fx.GraphModule) -> float | None:
+        """Seconds of one run of the scheduled graph ``gm`` end to end, on random tensors of
+        its inputs' shapes (the median of ``GRAPH_TIMING_RUNS`` runs after an untimed one,
+        fresh inputs each), at the load measured. Its collectives must run: under the fake
+        process group they return at once. None when its values total more than
+        ``GRAPH_TIMING_BYTES`` or it fails on such values."""
+        if nbytes([node.meta.get("val") for node in gm.graph.nodes]) > GRAPH_TIMING_BYTES:
+            return None
+        device = torch.device(self.device)
+        placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
+        times = []
+        try:
+            for _ in range(GRAPH_TIMING_RUNS + 1):
+                args = [_random_like(node.meta.get("val"), device) for node in placeholders]
+                _synchronize(device)
+                start = time.perf_counter()
+                gm(args) if gm._boxed_call else gm(*args)
+                _synchronize(device)
+                times.append(time.perf_counter() - start)
+        except Exception:  # noqa: BLE001 - a graph random values do not suit: keep its ops' timings
+            return None
+        return statistics.median(times[1:]) * self._load_factor()
+
+    def _load_factor(self) -> float:
+        """The calibration's matmul, now against then (timed once)."""
+        if self not in _load_factors:
+            flops_now, _ = cost_model.measure_compute(torch.device(self.device), sustained_seconds)
+            _load_factors[self] = flops_now / self.costs.flops_per_second
+        return _load_factors[self]
 
 
 OP_TIMING_BYTES = 256 * 2**20  # ops moving more bytes than this are estimated, not timed
 OP_TIMING_SECONDS = 0.005  # each op is run for at least this long
+GRAPH_TIMING_BYTES = 2**30  # graphs whose values total more than this are not run
+GRAPH_TIMING_RUNS = 3
 _op_seconds: dict[tuple, float | None] = {}
 _load_factors: dict[Measured, float] = {}
 
@@ -233,6 +270,11 @@ def _time_op(node: fx.Node, device: torch.device) -> float | None:
         node.target(*args, **kwargs)
         calls += 1
     return (time.perf_counter() - start) / calls
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
 
 
 SUSTAINED_CALLS = 100  # "measured" times this many times the calls calibration times

@@ -555,11 +555,12 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
             # while its simulated process group exists; outside it would count as none.
             peaks = {name: _peak_breakdown(gm, _inputs_storage(schedule.graphs, name, kinds[name]))
                      for name, gm in schedule.graphs.items()}
+            if "backward" not in kinds.values():
+                raise ValueError("compshard.plan: the model's output does not require grad; plan predicts a "
+                                 "training step")
+            _price_with_timings(schedule, job.machine)
     finally:
         torch._dynamo.reset()  # planning's compiled code (on fake tensors) is of no further use
-    if "backward" not in kinds.values():
-        raise ValueError("compshard.plan: the model's output does not require grad; plan predicts a training step")
-    _price_with_timings(schedule, job.machine)
     timelines = schedule.timelines
     return _Estimates(
         peaks=peaks,
@@ -572,15 +573,25 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
 
 def _price_with_timings(schedule: Report, machine: Hardware | Measured) -> None:
     """Where the machine times ops (``"measured"``), the timings replace the scheduled
-    graphs' compute estimates, and the timelines are simulated again."""
+    graphs' compute estimates, and the timelines are simulated again. A graph whose every
+    compute op was timed is also run end to end, and its ops' timings are scaled to that
+    run (what the graph's own code and the ops' cold caches add is spread over its ops in
+    proportion). Call inside the fake world: the runs issue its collectives."""
     timed = False
     for gm in schedule.graphs.values():
+        timings, untimed = {}, False
         for node in gm.graph.nodes:
             if _kind(node) not in (*COLLECTIVE_KINDS, "wait", "free"):
                 seconds = machine.op_seconds(node)
                 if seconds is not None:
-                    set_node_meta(node, seconds=seconds)
-                    timed = True
+                    timings[node] = seconds
+                elif isinstance(node.target, torch._ops.OpOverload):
+                    untimed = True
+        run = None if untimed or not timings else machine.graph_seconds(gm)
+        scale = run / sum(timings.values()) if run else 1.0
+        for node, seconds in timings.items():
+            set_node_meta(node, seconds=seconds * scale)
+        timed = timed or bool(timings)
     if timed:
         schedule.timelines = {kind: simulate(gm.graph) for kind, gm in schedule.graphs.items()}
 
