@@ -16,6 +16,13 @@ batch and options with ``compshard.plan(..., world_size=<this run's>, hardware=<
 training); rank 0's plan is shown beside the measurement with the prediction's error
 ((predicted - measured) / measured).
 
+Rounds (--rounds R): the measurement and the plan alternate R times (each round trains
+a fresh copy, compiling again, then times the machine and plans), and the summary row
+compares the medians over rounds. On a shared CPU the machine's speed drifts over
+seconds (the same one-rank step measured 127 and 188 ms in two runs a minute apart), so
+one plan and one measurement taken at different moments differ by that drift; alternating
+them spreads the drift over both sides. Every round's own figures are printed and kept.
+
 The JSON file (--out) holds the configuration, the command, torch version, device, world
 size, the load average before and after, and every number: the measured step times and
 the prediction's parts (forward, backward, optimizer; memory by holder). On a shared CPU
@@ -39,14 +46,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
     add_workload_arguments(parser, per="run")
     parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="measurements and plans, alternated; the summary compares their medians")
     parser.add_argument("--threads", type=int, default=1,
                         help="intra-op threads per rank (on a shared machine, OpenMP threads beyond the free cores "
                              "wait on each other's time slices, and step times swing by a factor of two)")
     parser.add_argument("--out", type=Path, default=None,
                         help="JSON file to write (default: benchmarks/results/plan_ws<world size>.json)")
     args = parse_workload_arguments(parser, argv)
-    if min(args.steps, args.warmup, args.batch, args.layers, args.threads) < 1:
-        parser.error("--steps, --warmup, --batch, --layers and --threads must be at least 1")
+    if min(args.steps, args.warmup, args.batch, args.layers, args.threads, args.rounds) < 1:
+        parser.error("--steps, --warmup, --batch, --layers, --threads and --rounds must be at least 1")
     args.options = parse_options(parser, args.options)
     return args
 
@@ -68,18 +77,15 @@ def error(predicted: float, measured: float) -> str:
     return f"{(predicted - measured) / measured:+.1%}"
 
 
-def main(args: argparse.Namespace) -> None:
-    load_before = os.getloadavg()
-    rank, world_size, device, cfg, reference, batch = start_workload(args)
-    torch.set_num_threads(args.threads)
-    started = time.perf_counter()
+def measure_and_plan(args: argparse.Namespace, reference, batch, world_size: int, device: torch.device):
+    """One round: train and measure (every rank), time the machine, plan (every rank, in a
+    subprocess each). Returns (report, measured step, measured peak, per-rank figures,
+    machine, seconds planning)."""
     results = train({"compshard": lambda model: wrap_compshard(model, **args.options)}, reference, batch,
                     steps=args.steps, warmup=args.warmup, device=device)
     result = results["compshard"]
     per_rank: list = [None] * world_size
     dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes))
-    measured_step = max(statistics.median(steps) for steps, _ in per_rank)
-    measured_peak = max(peak for _, peak in per_rank)
     machine = compshard.hardware.measure(device, world_size)  # collective
     # Every rank plans (in a subprocess each), so the plan times its ops while the other
     # ranks load the machine as in training; rank 0's plan is reported.
@@ -87,28 +93,53 @@ def main(args: argparse.Namespace) -> None:
     plan_started = time.perf_counter()
     report = compshard.plan(reference, *batch, world_size=world_size, hardware=machine, options=args.options)
     plan_seconds = time.perf_counter() - plan_started
+    dist.monitored_barrier(timeout=PLAN_TIMEOUT)  # rank 0's plan may finish last
+    measured_step = max(statistics.median(steps) for steps, _ in per_rank)
+    measured_peak = max(peak for _, peak in per_rank)
+    return report, measured_step, measured_peak, per_rank, machine, plan_seconds
+
+
+def table_row(label: str, predicted_step: float, measured_step: float, predicted_peak: float,
+              measured_peak: float, plan_seconds: float) -> list:
+    return [label, f"{predicted_step * 1e3:.1f}", f"{measured_step * 1e3:.1f}", error(predicted_step, measured_step),
+            mib(predicted_peak), mib(measured_peak), error(predicted_peak, measured_peak), f"{plan_seconds:.1f}"]
+
+
+def main(args: argparse.Namespace) -> None:
+    load_before = os.getloadavg()
+    rank, world_size, device, cfg, reference, batch = start_workload(args)
+    torch.set_num_threads(args.threads)
+    started = time.perf_counter()
+    rounds, table = [], []
+    for index in range(args.rounds):
+        progress(f"round {index + 1}/{args.rounds}")
+        report, measured_step, measured_peak, per_rank, machine, plan_seconds = measure_and_plan(
+            args, reference, batch, world_size, device)
+        if rank == 0:
+            print(report)
+            step, memory = report.step, report.memory
+            rounds.append({
+                "predicted_step_seconds": step.total, "measured_step_seconds": measured_step,
+                "predicted_peak_bytes": memory.peak, "measured_peak_bytes": measured_peak,
+                "predicted_step": asdict(step), "predicted_memory": asdict(memory),
+                "measured_step_seconds_per_rank": [steps for steps, _ in per_rank],
+                "measured_peak_bytes_per_rank": [peak for _, peak in per_rank],
+                "plan_seconds": plan_seconds, "costs": asdict(machine.costs),
+            })
+            table.append(table_row(f"round {index + 1}", step.total, measured_step, memory.peak, measured_peak,
+                                   plan_seconds))
     if rank == 0:
-        print(report)
-        step, memory = report.step, report.memory
-        row = {
-            "world_size": world_size,
-            "predicted_step_seconds": step.total, "measured_step_seconds": measured_step,
-            "predicted_peak_bytes": memory.peak, "measured_peak_bytes": measured_peak,
-            "predicted_step": asdict(step), "predicted_memory": asdict(memory),
-            "measured_step_seconds_per_rank": [steps for steps, _ in per_rank],
-            "measured_peak_bytes_per_rank": [peak for _, peak in per_rank],
-            "plan_seconds": plan_seconds, "costs": asdict(machine.costs),
-        }
-        print(tabulate([[world_size, f"{step.total * 1e3:.1f}", f"{measured_step * 1e3:.1f}",
-                         error(step.total, measured_step), mib(memory.peak), mib(measured_peak),
-                         error(memory.peak, measured_peak), f"{plan_seconds:.1f}"]],
-                       headers=["ranks", "predicted step ms", "measured step ms", "error", "predicted peak MiB",
-                                "measured peak MiB", "error", "plan s"]))
+        medians = {key: statistics.median(r[key] for r in rounds) for key in
+                   ("predicted_step_seconds", "measured_step_seconds", "predicted_peak_bytes", "measured_peak_bytes",
+                    "plan_seconds")}
+        table.append(table_row(f"median of {args.rounds}", *medians.values()))
+        print(tabulate(table, headers=[f"{world_size} ranks", "predicted step ms", "measured step ms", "error",
+                                       "predicted peak MiB", "measured peak MiB", "error", "plan s"]))
+        row = {"world_size": world_size, **medians, "rounds": rounds}
         config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                  "options": args.options, "threads": args.threads}
+                  "rounds": args.rounds, "options": args.options, "threads": args.threads}
         out = args.out or Path(__file__).resolve().parent / "results" / f"plan_ws{world_size}.json"
         write_results(out, device, config, started, [row], load_average_before_after=[load_before, os.getloadavg()])
-    dist.monitored_barrier(timeout=PLAN_TIMEOUT)  # rank 0 was planning
     dist.destroy_process_group()
 
 
