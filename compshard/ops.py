@@ -309,12 +309,17 @@ def _(buffer):
 # ------------------------------------------------------------------- bucket pack/unpack
 
 
-def _kernel(name: str, dtypes: list[torch.dtype]):
-    """The dispatching kernel, or its torch reference for dtypes the kernels do not take."""
+def _kernel(name: str, dtypes: list[torch.dtype], device: torch.device):
+    """The copy a compiled graph runs: the public kernel function where it would launch a
+    Triton kernel (its checks come first: a kernel must never see metadata that could make
+    it write out of bounds), else the torch reference directly (other dtypes; CPU without
+    ``TRITON_INTERPRET``): the compiler built the arguments, torch's own ops check their
+    bounds, and the public function's checks cost about 2 us per tensor on every call."""
     from compshard import kernels
 
     supported = all(dtype in kernels.SUPPORTED_DTYPES for dtype in dtypes)
-    return getattr(kernels, name if supported else f"{name}_reference")
+    launches = supported and kernels.select_backend(device) != "reference"
+    return getattr(kernels, name if launches else f"{name}_reference")
 
 
 @torch.library.custom_op("compshard::all_gather_copy_in", mutates_args=())
@@ -327,7 +332,7 @@ def all_gather_copy_in(
     shards = [s.contiguous() for s in shards]
     slot = sum(shard_numels)
     buffer = shards[0].new_empty(world_size * slot, dtype=dtype)
-    copy_in = _kernel("all_gather_copy_in", [dtype, *(s.dtype for s in shards)])
+    copy_in = _kernel("all_gather_copy_in", [dtype, *(s.dtype for s in shards)], buffer.device)
     copy_in(shards, shard_numels, dtype, out=buffer[rank * slot:(rank + 1) * slot])
     return buffer
 
@@ -353,7 +358,7 @@ def all_gather_copy_out(
     runs = _split_numels(numels, splits)
     flats = [gathered.new_empty(sum(run)) for run in runs]
     outputs = [piece for flat, run in zip(flats, runs) for piece in flat.split(run)]
-    copy_out = _kernel("all_gather_copy_out", [gathered.dtype])
+    copy_out = _kernel("all_gather_copy_out", [gathered.dtype], gathered.device)
     copy_out(gathered, shard_numels, [(n,) for n in numels], world_size, out=outputs)
     return flats
 
@@ -368,7 +373,7 @@ def reduce_scatter_copy_in(
     grads: list[torch.Tensor], shard_numels: list[int], world_size: int, dtype: torch.dtype, divide_by: float | None
 ) -> torch.Tensor:
     grads = [g.contiguous() for g in grads]
-    copy_in = _kernel("reduce_scatter_copy_in", [dtype, *(g.dtype for g in grads)])
+    copy_in = _kernel("reduce_scatter_copy_in", [dtype, *(g.dtype for g in grads)], grads[0].device)
     return copy_in(grads, shard_numels, world_size, dtype, divide_by)
 
 
@@ -385,7 +390,8 @@ def reduce_scatter_copy_out(
     custom op's outputs may not alias one another (the kernels' default is views of one
     buffer)."""
     shards = [reduced.new_empty(n, dtype=dtype) for n in local_numels]
-    _kernel("reduce_scatter_copy_out", [dtype, reduced.dtype])(reduced, shard_numels, local_numels, dtype, out=shards)
+    copy_out = _kernel("reduce_scatter_copy_out", [dtype, reduced.dtype], reduced.device)
+    copy_out(reduced, shard_numels, local_numels, dtype, out=shards)
     return shards
 
 
