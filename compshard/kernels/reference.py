@@ -13,10 +13,12 @@ Numerics, precisely:
     bf16/fp16 and rounded once);
   * padding is +0.0 and is never divided.
 
-Speed on CPU, where these run in training: the per-parameter work is done by one
-``torch._foreach_*`` call over views from one ``split`` (C++ loops, no Python per
-parameter), and only a parameter whose elements do not fill its ``world_size`` padded
-rows (a partial last row) takes Python steps of its own.
+Speed on CPU, where these run in training: packing is one ``torch.cat`` into the
+buffer (its CPU kernel copies input after input without a dispatch per tensor, and it
+casts as ``Tensor.to`` does); unpacking is one ``torch._foreach_*`` call over views from
+one ``split`` (C++ loops, no Python per parameter), and only a parameter whose elements
+do not fill its ``world_size`` padded rows (a partial last row) takes Python steps of
+its own.
 """
 
 from __future__ import annotations
@@ -29,13 +31,12 @@ import torch
 from ._checks import _layout
 
 
-def _segments(flat: torch.Tensor, used: Sequence[int], lengths: Sequence[int]) -> tuple[list, list]:
+def _segments(flat: torch.Tensor, used: Sequence[int], lengths: Sequence[int]) -> list[torch.Tensor]:
     """``flat`` cut into consecutive segments of ``lengths[i]`` elements: views of the first
-    ``used[i]`` elements of each, and of the non-empty rests (padding)."""
+    ``used[i]`` elements of each."""
     if list(used) == list(lengths):
-        return list(flat.split(list(lengths))), []
-    pieces = flat.split([size for n, length in zip(used, lengths) for size in (n, length - n)])
-    return list(pieces[0::2]), [piece for piece in pieces[1::2] if piece.numel()]
+        return list(flat.split(list(lengths)))
+    return list(flat.split([size for n, length in zip(used, lengths) for size in (n, length - n)])[0::2])
 
 
 def _filling(numels: Sequence[int], shard_numels: Sequence[int], world_size: int) -> tuple[list[int], list[int]]:
@@ -43,6 +44,16 @@ def _filling(numels: Sequence[int], shard_numels: Sequence[int], world_size: int
     (one strided block each), and of the others (a partial last row)."""
     full = [i for i, (numel, length) in enumerate(zip(numels, shard_numels)) if numel == world_size * length]
     return full, sorted(set(range(len(numels))) - set(full))
+
+
+def _padded(flats: Sequence[torch.Tensor], lengths: Sequence[int]) -> list[torch.Tensor]:
+    """``flats``, each followed by zeros up to ``lengths[i]`` elements where it is shorter
+    (views of one zero tensor): the pieces one ``torch.cat`` packs."""
+    pads = [length - flat.numel() for flat, length in zip(flats, lengths)]
+    if not any(pads):
+        return list(flats)
+    zeros = flats[0].new_zeros(max(pads))
+    return [piece for flat, pad in zip(flats, pads) for piece in ((flat, zeros[:pad]) if pad else (flat,))]
 
 
 def all_gather_copy_in_reference(
@@ -54,10 +65,7 @@ def all_gather_copy_in_reference(
     if not shards:
         return torch.empty(0, dtype=dtype)
     buffer = torch.empty(layout.total, dtype=dtype, device=shards[0].device) if out is None else out
-    data, padding = _segments(buffer, [shard.numel() for shard in shards], shard_numels)
-    torch._foreach_copy_(data, [shard.view(-1) for shard in shards])
-    if padding:
-        torch._foreach_zero_(padding)
+    torch.cat(_padded([shard.view(-1) for shard in shards], shard_numels), out=buffer)
     return buffer
 
 
@@ -100,23 +108,18 @@ def reduce_scatter_copy_in_reference(
     divide_by: float | None = None,
 ) -> torch.Tensor:
     """Rank-major ``world_size * S`` buffer; segment (r, i) = grads[i].flat[r*L[i] : (r+1)*L[i]].
-    Cast in the copy, then one in-place division of the whole buffer (the zero padding
-    stays +0.0, since ``divide_by > 0``)."""
+    Gradient i is the ``(world_size, L[i])`` block of columns ``off[i]..`` (a gradient short
+    of its rows zero-padded first, into a temporary), all blocks packed and cast by one
+    ``torch.cat`` along the columns, then one in-place division of the whole buffer (the
+    zero padding stays +0.0, since ``divide_by > 0``)."""
     layout = _layout(tuple(shard_numels))
     device = grads[0].device if len(grads) else None
     buffer = torch.empty(world_size, layout.total, dtype=dtype, device=device)
-    regions = buffer.split(list(shard_numels), dim=1)  # rank r's segment of gradient i is row r of region i
-    numels = [grad.numel() for grad in grads]
-    full, partial = _filling(numels, shard_numels, world_size)
-    if full:
-        torch._foreach_copy_([regions[i] for i in full], [grads[i].view(world_size, shard_numels[i]) for i in full])
-    for i in partial:  # whole rows, one partial row, zero padding
-        flat, length, region = grads[i].reshape(-1), shard_numels[i], regions[i]
-        rows, rest = divmod(numels[i], length)  # length > 0: an empty shard fills its rows
-        region[:rows].copy_(flat[: rows * length].view(rows, length))
-        region[rows, :rest].copy_(flat[rows * length :])
-        region[rows, rest:].zero_()
-        region[rows + 1 :].zero_()
+    blocks = [torch.cat(_padded([grad.reshape(-1)], [world_size * length])).view(world_size, length)
+              if grad.numel() < world_size * length else grad.view(world_size, length)
+              for grad, length in zip(grads, shard_numels)]
+    if blocks:
+        torch.cat(blocks, dim=1, out=buffer)
     if divide_by is not None:
         buffer.div_(float(divide_by))
     return buffer.view(-1)
@@ -133,7 +136,7 @@ def reduce_scatter_copy_out_reference(
     """Shard i = ``reduced[off[i] : off[i] + local_numels[i]].to(dtype)``, written into
     ``out[i]`` when given, added into ``accumulate_into[i]`` (cast first, then added), or
     else into views of one new flat tensor."""
-    pieces, _ = _segments(reduced, local_numels, shard_numels)
+    pieces = _segments(reduced, local_numels, shard_numels)
     if accumulate_into is not None:
         values = pieces if reduced.dtype == dtype else [piece.to(dtype) for piece in pieces]
         torch._foreach_add_([acc.view(-1) for acc in accumulate_into], values)
