@@ -12,7 +12,9 @@ harness.train: forward, backward, AdamW step; warm-up steps, where compilation h
 are not timed) and by a compute-only run: the same model unsharded and unwrapped, each
 rank training on its own local batch with no communication, so it is the compute lower
 bound under the same CPU/GPU contention as the real runs. --options (JSON) go to the
-compshard backend as compile options.
+compshard backend as compile options; "compshard-auto" is compshard with
+memory_budget_mb="auto" over them (buckets kept gathered into backward in room freed by
+recompute, within eager FSDP2's estimated peak).
 
 Per system it reports the median step time (the largest per-rank median) and its ratio
 to eager FSDP2, tokens/s (global batch tokens / median step), the per-rank peak memory
@@ -124,7 +126,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import compshard  # noqa: E402
 from harness import (  # noqa: E402
-    SYSTEMS, Result, mib, progress, train, start_workload,
+    AUTO_BUDGET, SYSTEMS, Result, mib, progress, train, start_workload,
     wrap_fsdp2, write_results,
 )
 
@@ -198,6 +200,8 @@ def step_collectives(
     """The collectives one training step of ``system`` issues."""
     if system == "compshard":
         return compshard_collectives(reference, batch, options)
+    if system == "compshard-auto":
+        return compshard_collectives(reference, batch, {**options, **AUTO_BUDGET})
     if system in ("fsdp2", "fsdp2+compile"):
         return fsdp2_collectives(reference, batch[0].device, world_size)
     if system == "ddp":
@@ -317,7 +321,8 @@ def main(args: argparse.Namespace) -> None:
 
     wraps = {COMPUTE_ONLY: lambda model: model}
     for system in args.systems:
-        wraps[system] = functools.partial(SYSTEMS[system], **args.options) if system == "compshard" else SYSTEMS[system]
+        compiled_by_us = system in ("compshard", "compshard-auto")
+        wraps[system] = functools.partial(SYSTEMS[system], **args.options) if compiled_by_us else SYSTEMS[system]
     # Before training: once FSDP2 + compile has run, Dynamo compiles the GPT differently.
     collectives = {system: step_collectives(system, reference, batch, args.options, world_size)
                    for system in args.systems}

@@ -76,6 +76,13 @@ def wrap_compshard(model: nn.Module, **compile_options) -> Callable:
     return torch.compile(model, backend="compshard", options=compile_options or None)
 
 
+AUTO_BUDGET = {"memory_budget_mb": "auto"}  # the "compshard-auto" system's options, over --options
+
+
+def wrap_compshard_auto(model: nn.Module, **compile_options) -> Callable:
+    return wrap_compshard(model, **{**compile_options, **AUTO_BUDGET})
+
+
 def wrap_fsdp2(model: nn.Module, compiled: bool = False) -> Callable:
     from torch.distributed.fsdp import fully_shard
 
@@ -98,6 +105,7 @@ RUN_ALONE = {"fsdp2+compile"}
 
 SYSTEMS: dict[str, Wrap] = {
     "compshard": wrap_compshard,
+    "compshard-auto": wrap_compshard_auto,
     "fsdp2": wrap_fsdp2,
     "fsdp2+compile": lambda model: wrap_fsdp2(model, compiled=True),
     "ddp": wrap_ddp,

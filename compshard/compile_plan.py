@@ -18,7 +18,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Literal
 
-__all__ = ["GraphKind", "Bucket", "BucketPlan", "Coalescing", "Prefetch", "RecomputePlan", "GraphPlan",
+__all__ = ["GraphKind", "Bucket", "BucketPlan", "MemoryBudget", "Coalescing", "Prefetch", "RecomputePlan", "GraphPlan",
            "CompilePlan", "NodeMeta", "node_meta", "set_node_meta", "ScheduleError", "COLLECTIVE_KINDS", "MiB"]
 
 MiB = 2**20  # the unit of the ``*_mb`` options and of every size compshard reports
@@ -46,10 +46,40 @@ class Bucket:
 
 
 @dataclass(frozen=True)
+class MemoryBudget:
+    """What ``memory_budget_mb="auto"`` decided (``passes/keep_gathered.py``): the buckets
+    it keeps gathered from forward to backward beyond the default ones, and the blocks it
+    raised to recompute (block -> ``"selective"`` or ``"full"``) to free their room.
+
+    The budget is eager FSDP2's peak on the same model, estimated as this schedule's with
+    every block saving what eager autograd saves (``eager_saved_bytes``) and no further
+    bucket kept. ``freed_bytes``: activations the raises stop saving; ``kept_bytes``: the
+    gathered bytes of ``kept``; ``seconds_saved``: the re-gathers avoided minus the
+    recompute added (cost model). The dict is not to be changed.
+    """
+
+    kept: tuple[str, ...]
+    levels: dict[str, str]
+    eager_saved_bytes: int
+    freed_bytes: int
+    kept_bytes: int
+    seconds_saved: float
+
+    def describe(self) -> str:
+        raised = ", ".join(f"{block} {level}" for block, level in self.levels.items()) or "none"
+        return (f"memory budget auto (eager FSDP2's peak): {len(self.kept)} more bucket(s) kept gathered, "
+                f"{self.kept_bytes / MiB:.3f} MiB, in room freed by recompute ({raised}: {self.freed_bytes / MiB:.3f} "
+                f"MiB of the {self.eager_saved_bytes / MiB:.3f} MiB eager autograd saves); "
+                f"estimated {self.seconds_saved * 1e3:.2f} ms a step saved")
+
+
+@dataclass(frozen=True)
 class BucketPlan:
-    """The buckets of one compile, in order of first use; the same on every rank."""
+    """The buckets of one compile, in order of first use; the same on every rank.
+    ``budget``: what ``memory_budget_mb="auto"`` decided (None otherwise)."""
 
     buckets: tuple[Bucket, ...]
+    budget: MemoryBudget | None = None
     _of: dict[str, Bucket] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:

@@ -88,11 +88,16 @@ def log_plan(plan: CompilePlan) -> None:
         for bucket in buckets:
             log.info("compshard:   bucket %s: %d params, %s gathered%s", bucket.name, len(bucket.params),
                      format_mib(bucket.nbytes), ", kept gathered forward->backward" if bucket.keep_gathered else "")
-        if recompute is not None:
-            log.info("compshard: %s", recompute.describe())
+        for part in (plan.buckets.budget if plan.buckets is not None else None, recompute):
+            if part is not None:
+                log.info("compshard: %s", part.describe())
+    budget = plan.buckets.budget if plan.buckets is not None else None
     _artifact("compshard_plan", "json", lambda: {
         "buckets": [{"name": b.name, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered}
                     for b in buckets],
+        "memory_budget": None if not budget else {
+            "kept": list(budget.kept), "levels": budget.levels, "eager_saved_bytes": budget.eager_saved_bytes,
+            "freed_bytes": budget.freed_bytes, "kept_bytes": budget.kept_bytes, "seconds_saved": budget.seconds_saved},
         "recompute": None if recompute is None else {
             "policy": recompute.policy, "levels": recompute.levels, "saved_bytes": recompute.saved,
             "planned_bytes": recompute.planned_bytes, "budget_bytes": recompute.budget_bytes, "fits": recompute.fits},

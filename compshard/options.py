@@ -40,9 +40,14 @@ class CompileOptions:
             most of the gather (cost model), never one that raises the estimated peak.
         max_inflight_mb: bound on the bytes of collectives started and not yet waited
             (per graph; a single collective larger than the bound is still allowed alone).
-        memory_budget_mb: MiB of gathered parameters that may stay gathered from forward
-            to backward (saving their re-gather); ``None``: none beyond what
-            ``shard(reshard_after_forward=False)`` asks. Smallest buckets are kept first.
+        memory_budget_mb: which further buckets stay gathered from forward to backward
+            (saving their re-gather in backward; see ``passes/keep_gathered.py``). A number:
+            MiB of gathered parameters that may stay gathered, smallest buckets first.
+            ``"auto"``: as many as keep the estimated peak within eager FSDP2's on the same
+            model, making room by recomputing blocks (``recompute="none"``: it picks each
+            block's level; another ``recompute`` option: the room that option frees),
+            wherever the saved re-gathers outweigh the added recompute (cost model).
+            ``None``: none beyond what ``shard(reshard_after_forward=False)`` asks.
         recompute: which activations the backward recomputes instead of keeping them from
             the forward (see ``passes/recompute.py``). ``"none"``: the partitioner's own
             choice. ``"full"``: each repeated block (``blocks.3``) keeps only its inputs
@@ -62,7 +67,7 @@ class CompileOptions:
     coalesce: str = "auto"
     prefetch: Any = "auto"
     max_inflight_mb: float = 256.0
-    memory_budget_mb: float | None = None
+    memory_budget_mb: float | str | None = None
     recompute: Any = "none"
     check_schedule: bool = True
     verify: bool = False
@@ -111,7 +116,8 @@ def _prefetch(value: Any) -> str | None:
 
 
 def _budget(value: Any) -> str | None:
-    return None if value is None or (_is_number(value) and value >= 0) else "None or a number >= 0 (MiB)"
+    ok = value is None or value == "auto" or (_is_number(value) and value >= 0)
+    return None if ok else "None, 'auto' or a number >= 0 (MiB)"
 
 
 def _recompute(value: Any) -> str | None:

@@ -207,8 +207,10 @@ class Report:
             f"sharding: {self.config.strategy}, shard {self.config.shard_size} x replicate "
             f"{self.config.replicate_size}, param_dtype {self.config.param_dtype}, reduce_dtype "
             f"{self.config.reduce_dtype}, offload {self.config.offload}"]
-        recompute = [f"plan {i}: {plan.recompute.describe()}" if several else plan.recompute.describe()
-                     for i, plan in enumerate(self.plans) if plan.recompute]
+        described = [(i, part.describe()) for i, plan in enumerate(self.plans)
+                     for part in (plan.buckets.budget if plan.buckets is not None else None, plan.recompute)
+                     if part]
+        recompute = [f"plan {i}: {text}" if several else text for i, text in described]
         return "\n\n".join([
             "\n".join([*sharding, self.header()]),
             tabulate(table, headers=headers),

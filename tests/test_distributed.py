@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import compshard
-from compshard import ops
+from compshard import cost_model, ops
 from compshard.compile_plan import COLLECTIVE_KINDS, NodeMeta, node_meta
 from compshard.passes.fx_utils import aliases, gathered_buffers
 from tests.allocations import allocations, peak_rise
@@ -281,6 +281,44 @@ def _compiled(model, local: tuple, options: dict | None = None) -> tuple:
     return compshard.Report(graphs, config=compshard.sharding_config(sharded)), peak_rise(lambda: step_model(*local))
 
 
+def _step_peak(params, step_model, local: tuple) -> int:
+    """Peak bytes of a forward and backward (gradients unset first), after two such steps."""
+    def step() -> None:
+        for param in params:
+            param.grad = None
+        step_model(*local).backward()
+
+    step()
+    step()
+    return peak_rise(step)
+
+
+def _auto_budget(model, local: tuple, rank: int, world_size: int) -> dict:
+    """``memory_budget_mb="auto"`` on the GPT, with the cost model's constants fixed
+    (a collective's latency 1 ms: re-gathers dear) so that its choice does not depend on
+    this machine's timings: parity, what it decided, and its measured peak against eager
+    FSDP2's (one unit per block and the root) on the same model."""
+    from torch.distributed.fsdp import fully_shard
+
+    options = {"memory_budget_mb": "auto"}
+    with cost_model.assumed({torch.distributed.group.WORLD.group_name: cost_model.Costs(alpha=1e-3)}):
+        torch._dynamo.reset()
+        trained = parity("gpt", rank, world_size, compile_options=options)
+        report, _ = _compiled(model, local, options)
+        torch._dynamo.reset()
+        sharded = compshard.shard(copy.deepcopy(model))
+        peak = _step_peak(sharded.parameters(), torch.compile(sharded, backend="compshard", options=options), local)
+    eager = copy.deepcopy(model)
+    for block in eager.blocks:
+        fully_shard(block)
+    fully_shard(eager)
+    budget = report.plans[0].buckets.budget
+    return {"parity": {k: trained[k] for k in ("loss", "params", "keys_match")},
+            "kept": budget.kept, "levels": budget.levels, "kept_bytes": budget.kept_bytes,
+            "freed_bytes": budget.freed_bytes, "recompute": report.plans[0].recompute.levels,
+            "facts": _schedule_facts(report), "peak": peak, "fsdp2_peak": _step_peak(eager.parameters(), eager, local)}
+
+
 def schedule_worker(rank: int, world_size: int) -> dict:
     results = {"scratch": _scratch_check(world_size)}
     model, batch = make_model("gpt")
@@ -336,6 +374,7 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         torch._dynamo.reset()
         variant = parity(model_name, rank, world_size, compile_options=options)
         results[name] = {k: variant[k] for k in ("loss", "params", "keys_match")}
+    results["auto_budget"] = _auto_budget(model, local, rank, world_size)
     torch._dynamo.reset()
     bounded = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options=OPTION_VARIANTS["bounded"][1])
     results["bounded_schedule"] = {kind: _independent_checks(gm.graph) for kind, gm in bounded.graphs.items()}
@@ -504,6 +543,41 @@ def test_scheduling_options_keep_parity(schedule_results, variant):
         assert got["loss"] <= RTOL, got["loss"]
         worst = max(got["params"], key=got["params"].get)
         assert got["params"][worst] <= RTOL, (worst, got["params"][worst])
+
+
+def test_auto_memory_budget_keeps_buckets_in_room_freed_by_recompute_within_fsdp2_peak(schedule_results):
+    for result in schedule_results:
+        auto = result["auto_budget"]
+        got = auto["parity"]
+        assert got["keys_match"] and got["loss"] <= RTOL, got["loss"]
+        assert max(got["params"].values()) <= RTOL
+        # it kept block buckets gathered, raised recompute to make their room, and the
+        # recompute pass applied the levels it chose
+        assert auto["kept"] and all(name.startswith("blocks.") for name in auto["kept"])
+        assert auto["levels"] and auto["recompute"] == auto["levels"]
+        assert 0 < auto["kept_bytes"] <= auto["freed_bytes"]
+        facts = auto["facts"]
+        assert not set(auto["kept"]) & set(facts["backward_gathered_buckets"])  # never gathered again
+        assert set(auto["kept"]) <= {".".join(p.split(".")[:2]) for p in facts["saved_gathered"]}  # saved instead
+        assert "memory budget auto" in facts["table"]
+        assert auto["peak"] <= auto["fsdp2_peak"], (auto["peak"], auto["fsdp2_peak"])
+    assert schedule_results[0]["auto_budget"]["kept"] == schedule_results[1]["auto_budget"]["kept"]
+
+
+def test_auto_budget_keeps_a_bucket_only_in_the_room_freed_before_it():
+    from compshard.passes.keep_gathered import _Candidate, _choose
+    from compshard.passes.recompute import BlockRaise, Level
+
+    candidates = [_Candidate(f"blocks.{i}", 10, f"blocks.{i}", 1.0) for i in range(3)]
+    raises = {f"blocks.{i}": BlockRaise(Level.SELECTIVE, 6, 0.5) for i in range(3)}
+    choice = _choose(candidates, raises, chosen=True)
+    # room 6 < 10; then 12: keep blocks.1 (2 left); then 8 < 10
+    assert choice.kept == ("blocks.1",)
+    assert choice.seconds_saved == pytest.approx(1.0 - 1.5)
+    assert _choose(candidates, raises, chosen=False).seconds_saved == pytest.approx(1.0)
+    # a bucket already held, or at one rank, costs no re-gather: never kept for time
+    free = [_Candidate("blocks.0", 1, "blocks.0", 0.0)]
+    assert _choose(free, raises, chosen=True).kept == ()
 
 
 def test_schedule_invariants_hold_under_a_tight_inflight_bound(schedule_results):

@@ -11,8 +11,8 @@ step leaves the graph unchanged and returns a plan; a rewriting pass takes plans
 returns None.
 
   dynamo graph   dedupe_unshard
-  joint graph    drop_redundant_clones, assign_buckets -> buckets, tag_gathered_params(buckets),
-                 recompute -> recompute; then the partition (``partition.py``: the
+  joint graph    drop_redundant_clones, assign_buckets -> buckets, keep_gathered(buckets) -> buckets,
+                 tag_gathered_params(buckets), recompute(buckets) -> recompute; then the partition (``partition.py``: the
                  min-cut partitioner, -> saved_count and the recompute plan's saved bytes)
   forward        agree_shapes, coalesce_collectives(buckets) -> coalescing,
                  lower_unshard(buckets, coalescing), agree_lowered_shapes, estimate_costs,
@@ -46,6 +46,7 @@ from compshard.passes.drop_redundant_clones import drop_redundant_clones
 from compshard.passes.estimate_costs import estimate_costs
 from compshard.passes.estimate_memory import estimate_memory
 from compshard.passes.insert_free import insert_free
+from compshard.passes.keep_gathered import keep_gathered
 from compshard.passes.lower_reduce_grad import lower_reduce_grad
 from compshard.passes.lower_unshard import lower_unshard
 from compshard.passes.prefetch import prefetch
@@ -87,8 +88,8 @@ class Step:
 
 PIPELINES: dict[GraphKind, tuple[Step, ...]] = {
     "dynamo": (Step(dedupe_unshard),),
-    "joint": (Step(drop_redundant_clones), Step(assign_buckets, "buckets"), Step(tag_gathered_params),
-              Step(recompute, "recompute")),
+    "joint": (Step(drop_redundant_clones), Step(assign_buckets, "buckets"), Step(keep_gathered, "buckets"),
+              Step(tag_gathered_params), Step(recompute, "recompute")),
     "forward": (Step(agree_shapes), Step(coalesce_collectives, "coalescing"), Step(lower_unshard),
                 Step(agree_lowered_shapes), Step(estimate_costs), Step(prefetch, "prefetch"), Step(insert_free),
                 Step(estimate_memory, "peak_bytes"), Step(check_schedule, "fingerprint"), Step(restore_shapes)),

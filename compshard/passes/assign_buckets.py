@@ -20,9 +20,9 @@ head it is held anyway), for one collective instead of one per run.
 
 Kept gathered (``keep_gathered``: gathered once, held from forward into backward): the
 bucket used last in forward, since backward needs it first and would gather it again
-straight away (what FSDP2 does for its root unit and torchtitan for the last block); the
-parameters sharded with ``reshard_after_forward=False``; and, with ``memory_budget_mb``,
-the smallest further buckets whose gathered bytes fit the budget (in total).
+straight away (what FSDP2 does for its root unit and torchtitan for the last block), and
+the parameters sharded with ``reshard_after_forward=False``; ``keep_gathered`` adds the
+buckets ``memory_budget_mb`` keeps.
 
 Only names, shapes, dtypes and options decide, so every rank builds the same plan.
 """
@@ -105,27 +105,13 @@ def plan_buckets(params: list[BucketParam], options, last_in_forward: str | None
         for k, key in enumerate(keys):
             suffix = f"#{k}" if len(keys) > 1 else ""
             planned.append((name + suffix, [p for p in members if p.key == key]))
-    kept = _kept_by_budget(planned, options.memory_budget_mb)
-    kept |= {name for name, members in planned  # one rank gathers nothing: nothing to keep
-             if any(p.name == last_in_forward and p.key[1] > 1 for p in members)}
+    kept = {name for name, members in planned  # one rank gathers nothing: nothing to keep
+            if any(p.name == last_in_forward and p.key[1] > 1 for p in members)}
     return BucketPlan(tuple(
         Bucket(i, name, tuple(p.name for p in members), sum(p.nbytes for p in members),
                keep_gathered=name in kept or all(p.keep for p in members))
         for i, (name, members) in enumerate(planned)
     ))
-
-
-def _kept_by_budget(planned: list[tuple[str, list[BucketParam]]], budget_mb: float | None) -> set[str]:
-    if budget_mb is None:
-        return set()
-    kept, used = set(), 0
-    for name, members in sorted(planned, key=lambda group: (sum(p.nbytes for p in group[1]), group[0])):
-        size = sum(p.nbytes for p in members)
-        if used + size > budget_mb * MiB:
-            break
-        kept.add(name)
-        used += size
-    return kept
 
 
 def _last_used_in_forward(graph: fx.Graph) -> str | None:

@@ -50,7 +50,7 @@ import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from compshard.compile_plan import MiB, RecomputePlan
+from compshard.compile_plan import BucketPlan, MiB, RecomputePlan
 from compshard.cost_model import Costs, costs_for, node_seconds
 from compshard.sizes import nbytes
 from compshard.logs import warn
@@ -59,7 +59,7 @@ from compshard.passes.fx_utils import (
     aten, backward_nodes, block_of_nodes, compshard_ops, first_arg, is_op, is_view, producer, unshard_args,
 )
 
-__all__ = ["recompute", "COMPUTE_INTENSIVE"]
+__all__ = ["recompute", "block_raises", "BlockRaise", "BlockRaises", "Level", "COMPUTE_INTENSIVE"]
 
 # Ops whose outputs "selective" keeps: recomputing them costs real FLOPs.
 COMPUTE_INTENSIVE = frozenset(
@@ -127,8 +127,10 @@ def _walk(seeds: list[fx.Node], recompute_node: Callable[[fx.Node], bool | None]
 class _Policy:
     """Decides, per forward node, save or recompute, given a level per block."""
 
-    def __init__(self, forward: list[fx.Node], backward: set[fx.Node], costs: Costs) -> None:
+    def __init__(self, forward: list[fx.Node], backward: set[fx.Node], costs: Costs,
+                 gathered: frozenset[fx.Node] = frozenset()) -> None:
         self.forward = forward
+        self.gathered = gathered  # untagged gathered-parameter chains: recomputed, neither bytes nor seconds
         self.block_of = block_of_nodes(forward)
         self.blocks = list(dict.fromkeys(self.block_of.values()))
         forward_set = set(forward)
@@ -148,23 +150,26 @@ class _Policy:
 
     def seconds(self, node: fx.Node) -> float:
         """Estimated seconds to recompute ``node`` (views and getitems: free)."""
-        if node.target is operator.getitem or is_view(node):
+        if node.target is operator.getitem or is_view(node) or node in self.gathered:
             return 0.0
         if node not in self._seconds:
             self._seconds[node] = node_seconds(node, self.costs)
         return self._seconds[node]
 
-    def recompute_node(self, levels: dict[str, Level], outside: Level | None) -> Callable[[fx.Node], bool | None]:
+    def recompute_node(self, levels: Mapping[str, Level], outside: Level | None) -> Callable[[fx.Node], bool | None]:
         """The decision function for these block levels; ``outside``: the level of nodes
-        in no block (None: outside the scope, left to the partitioner)."""
+        in no block and of blocks ``levels`` leaves out (None: outside the scope, left to
+        the partitioner)."""
 
         def decide(node: fx.Node) -> bool | None:
             computed_by = producer(node)
             tag = computed_by.meta.get("recompute")
             if tag is not None:
                 return tag in _RECOMPUTE_TAGS
+            if computed_by in self.gathered:
+                return True
             block = self.block_of.get(computed_by)
-            level = levels[block] if block is not None else outside
+            level = levels.get(block, outside) if block is not None else outside
             if level is None:
                 return None
             if is_view(computed_by):
@@ -177,7 +182,7 @@ class _Policy:
 
         return decide
 
-    def plan(self, levels: dict[str, Level], outside: Level | None) -> _Plan:
+    def plan(self, levels: Mapping[str, Level], outside: Level | None) -> _Plan:
         seeds = self.needed
         if outside is None:  # only blocks are ours: start from what the backward or later code needs of them
             needed = set(self.needed)
@@ -229,16 +234,78 @@ def _tag(plan: _Plan, save_outside_inputs: bool) -> None:
         producer(node).meta.setdefault("recompute", CheckpointPolicy.MUST_SAVE)
 
 
-def recompute(graph: fx.Graph, ctx: PassContext) -> RecomputePlan:
-    option = ctx.options.recompute
-    if option == "none":
-        return RecomputePlan("none")
+def _policy(graph: fx.Graph, gathered: frozenset[fx.Node] = frozenset()) -> _Policy:
     backward = backward_nodes(graph)
     forward = [n for n in graph.nodes if n.op == "call_function" and n not in backward]
-    policy = _Policy(forward, backward, _group_costs(graph))
+    return _Policy(forward, backward, _group_costs(graph), gathered)
+
+
+def _option_levels(policy: _Policy, option) -> tuple[dict[str, Level], _Plan | None]:
+    """The levels a named policy or a recompute budget gives every block (and, for a
+    budget, its plan); ``{}`` for ``"none"``."""
+    if option == "none":
+        return {}, None
     if isinstance(option, Mapping):
+        return _budget_levels(policy, int(option["budget_mb"] * MiB))
+    return {block: Level[option.upper()] for block in policy.blocks}, None
+
+
+@dataclass(frozen=True)
+class BlockRaise:
+    """One repeated block raised alone from ``"save"`` to ``level``, every other block at
+    ``"save"``: the activation bytes it stops saving and the recompute seconds it adds."""
+
+    level: Level
+    freed_bytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BlockRaises:
+    """What ``memory_budget_mb="auto"`` (``passes/keep_gathered.py``) may trade: per
+    repeated block (forward order), its raises; ``optional``: the recompute option is
+    ``"none"``, so each block may also stay as it is (otherwise the option's level for the
+    block is its one raise and applies whatever the budget decides). ``eager_bytes``: the
+    activations saved with every block at ``"save"``: what eager autograd saves."""
+
+    raises: dict[str, tuple[BlockRaise, ...]]
+    optional: bool
+    eager_bytes: int
+    block_of: dict[fx.Node, str]  # forward node -> its block
+
+
+def block_raises(graph: fx.Graph, option, gathered: frozenset[fx.Node]) -> BlockRaises:
+    """The :class:`BlockRaises` of the joint ``graph`` under recompute ``option``.
+    ``gathered``: the gathered-parameter chains, not yet tagged (never activations)."""
+    policy = _policy(graph, gathered)
+    levels, _ = _option_levels(policy, option)
+    eager = policy.plan({}, Level.SAVE)
+    raises = {}
+    for block in policy.blocks:
+        raised = []
+        for level in [levels[block]] if levels else [Level.SELECTIVE, Level.FULL]:
+            if level == Level.SAVE:
+                continue
+            trial = policy.plan({block: level}, Level.SAVE)
+            raised.append(BlockRaise(level, eager.saved_bytes - trial.saved_bytes,
+                                     trial.recompute_seconds - eager.recompute_seconds))
+        raises[block] = tuple(raised)
+    return BlockRaises(raises, optional=not levels, eager_bytes=eager.saved_bytes, block_of=policy.block_of)
+
+
+def recompute(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> RecomputePlan:
+    option = ctx.options.recompute
+    chosen = buckets.budget.levels if option == "none" and buckets.budget is not None else {}
+    if option == "none" and not chosen:
+        return RecomputePlan("none")
+    policy = _policy(graph)
+    if chosen:  # raised by memory_budget_mb="auto"; its other blocks are the partitioner's
+        levels = {block: Level[level.upper()] for block, level in chosen.items()}
+        plan = policy.plan(levels, None)
+        budget_bytes, fits, policy_name = None, True, "auto"
+    elif isinstance(option, Mapping):
         budget_bytes = int(option["budget_mb"] * MiB)
-        levels, plan = _budget_levels(policy, budget_bytes)
+        levels, plan = _option_levels(policy, option)
         fits = plan.saved_bytes <= budget_bytes
         if not fits:
             warn(f"compshard: recompute budget_mb={option['budget_mb']} (MiB) cannot be met: the least this graph "
@@ -246,7 +313,7 @@ def recompute(graph: fx.Graph, ctx: PassContext) -> RecomputePlan:
                  f"{', '.join(level.name.lower() for level in levels.values()) or 'none found'}); using that")
         policy_name = "budget"
     else:
-        levels = {block: Level[option.upper()] for block in policy.blocks}
+        levels, _ = _option_levels(policy, option)
         plan = policy.plan(levels, None)
         budget_bytes, fits, policy_name = None, True, option
     _tag(plan, save_outside_inputs=not isinstance(option, Mapping))
