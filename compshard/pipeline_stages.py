@@ -12,8 +12,10 @@ buffers, their fully qualified names. Shapes are static: a stage runs micro-batc
 captured shapes only.
 
 Where a cut may go: between two ops, when every value live across the cut is a
-floating-point tensor (activations: the pipeline sends them forward and their gradients
-back). Several live values are allowed; each is one more send per micro-batch, which the
+contiguous floating-point tensor (activations: the pipeline sends them forward and their
+gradients back, each whole; the process group's sends and receives take contiguous
+buffers only, and torch's stages make the gradient's receive buffer with the value's
+strides, so a strided view crossing a cut fails at the first step). Several live values are allowed; each is one more send per micro-batch, which the
 cost below charges. Parameters, buffers and constants never cross a cut: each stage reads
 the ones its ops use, under their original names.
 
@@ -151,9 +153,10 @@ def _capture(model: nn.Module, example: tuple[torch.Tensor, ...]) -> tuple[fx.Gr
     return gm, state, user_inputs
 
 
-def _is_activation(node: fx.Node) -> bool:
+def _sendable(node: fx.Node) -> bool:
+    """An activation a stage can send whole: a contiguous floating-point tensor."""
     val = node.meta.get("val")
-    return isinstance(val, torch.Tensor) and val.is_floating_point()
+    return isinstance(val, torch.Tensor) and val.is_floating_point() and val.is_contiguous()
 
 
 def _live_across(ops: list[fx.Node], user_inputs: list[fx.Node]) -> list[list[fx.Node]]:
@@ -244,12 +247,12 @@ def partition_stages(
     ops = [n for n in gm.graph.nodes if n.op not in ("placeholder", "output")]
     output = next(iter(gm.graph.find_nodes(op="output")))
     live = _live_across(ops, user_inputs)
-    allowed = [p for p in range(1, len(ops)) if live[p] and all(_is_activation(v) for v in live[p])]
+    allowed = [p for p in range(1, len(ops)) if live[p] and all(_sendable(v) for v in live[p])]
     max_stages = len(allowed) + 1
     if stages > max_stages:
         raise ValueError(
             f"compshard.pipeline: stages={stages} is more than this model allows: at most {max_stages} "
-            f"(its forward has {len(ops)} ops and {len(allowed)} places where only activations cross)"
+            f"(its forward has {len(ops)} ops and {len(allowed)} places where only contiguous activations cross)"
         )
     seconds = [node_seconds(n, costs) for n in ops]
     prefix = [0.0]
@@ -332,13 +335,34 @@ def stage_io_meta(partition: Partition, index: int) -> tuple[tuple[torch.Tensor,
     return tuple(meta(n) for n in plan.inputs), sent[0] if is_last and not partition.output_is_tuple else sent
 
 
+class _ContiguousGradient(torch.autograd.Function):
+    """The identity, whose backward makes the gradient contiguous (a copy only where it
+    is not)."""
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> torch.Tensor:  # noqa: ARG004
+        return grad.contiguous()
+
+
+def contiguous_gradient(value: torch.Tensor) -> torch.Tensor:
+    """``value``, with its gradient made contiguous: what a stage receives, so that the
+    gradient it sends back can be sent (a stage that transposes what it receives, as
+    attention does with its heads, would otherwise compute a strided gradient)."""
+    return _ContiguousGradient.apply(value)
+
+
 def build_stage_module(partition: Partition, index: int) -> fx.GraphModule:
     """The module of stage ``index``: its ops as an FX graph, its parameters and buffers
     registered under their original qualified names (the original tensors, not copies).
 
     ``forward`` takes the values the stage receives, positionally, and returns what it
     sends: a tuple of tensors, or for the last stage the model's output (a tensor, or a
-    tuple when the model returns several).
+    tuple when the model returns several). Every stage but the first passes what it
+    receives through :func:`contiguous_gradient` first.
     """
     plan = partition.stages[index]
     graph = fx.Graph()
@@ -346,6 +370,9 @@ def build_stage_module(partition: Partition, index: int) -> fx.GraphModule:
     for node in plan.inputs:
         env[node] = graph.placeholder(node.name)
         env[node].meta = dict(node.meta)
+        if index > 0:
+            env[node] = graph.call_function(contiguous_gradient, (env[node],))
+            env[node].meta = dict(node.meta)
     for placeholder, held in plan.state.items():
         node = next(n for n in partition.graph_module.graph.nodes if n.name == placeholder)
         env[node] = graph.get_attr(held.name)

@@ -17,6 +17,7 @@ from typing import Callable
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
@@ -74,6 +75,45 @@ def test_gpt_partition_is_balanced_and_runs_as_the_model(balance_gpt, stages):
     table = str(partition)
     assert all(re.search(rf"^{k}\s", table, re.M) for k in range(stages)), table
     assert "blocks.0" in table and "lm_head" in table and "tied: wte.weight" in table
+
+
+class _Transposing(nn.Module):
+    """Two linears with transposed (strided) values between them; the gradient of what
+    ``contiguous()`` reads comes back transposed, so strided."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(4, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        swapped = (self.a(x).t() * 2).contiguous()
+        return self.b(swapped)
+
+
+def test_stages_send_and_receive_only_contiguous_tensors():
+    # the most stages the model allows: only contiguous activations cross a cut, and each
+    # stage's gradient for what it received (transposed inside it) comes back contiguous
+    model, x = _Transposing(), torch.randn(4, 8)
+    most = partition_stages(model, (x,), 2).max_stages
+    partition = partition_stages(model, (x,), most)
+    crossing = [node.meta["val"] for stage in partition.stages[1:] for node in stage.inputs]
+    assert crossing and all(value.is_contiguous() for value in crossing)
+    inputs, received, sent = (x,), [], []  # received[k]: what stage k + 1 received
+    for k in range(most):
+        if k:
+            inputs = tuple(value.detach().requires_grad_() for value in sent[-1])
+            received.append(inputs)
+        output = build_stage_module(partition, k)(*inputs)
+        sent.append(output if isinstance(output, tuple) else (output,))
+    torch.testing.assert_close(sent[-1][0], model(x), rtol=0, atol=0)
+    # each stage's gradients for what it received, as torch's stages take them (not
+    # through .grad, which autograd lays out as the tensor)
+    grads = torch.autograd.grad(sent[-1][0].sum(), received[-1])
+    found = list(grads)
+    for k in range(most - 2, 0, -1):
+        grads = torch.autograd.grad(sent[k], received[k - 1], grads)
+        found += grads
+    assert found and all(grad.is_contiguous() for grad in found)
 
 
 def test_too_many_stages_names_the_maximum():
