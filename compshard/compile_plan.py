@@ -66,6 +66,9 @@ class MemoryBudget:
     seconds_saved: float
 
     def describe(self) -> str:
+        if not self.kept:
+            return ("memory budget auto (eager FSDP2's peak): no further bucket kept gathered (in the cost model, "
+                    "no re-gather fits the room recompute frees at a saving)")
         raised = ", ".join(f"{block} {level}" for block, level in self.levels.items()) or "none"
         return (f"memory budget auto (eager FSDP2's peak): {len(self.kept)} more bucket(s) kept gathered, "
                 f"{self.kept_bytes / MiB:.3f} MiB, in room freed by recompute ({raised}: {self.freed_bytes / MiB:.3f} "
