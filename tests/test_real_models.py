@@ -30,6 +30,7 @@ a collective), so a rank left inside a collective by the other rank's error time
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import datetime
 import functools
@@ -45,6 +46,7 @@ import torch.distributed as dist
 from torch import nn
 
 import compshard
+from compshard import cost_model
 from tests.distributed import run_distributed
 from tests.real_models import ZOO, RealModel
 from tests.training import ADAMW
@@ -67,7 +69,10 @@ OPTIMIZER = dict(ADAMW, eps=1e-4)
 FLOOR = 1e-3
 WORLD_SIZE = 2
 MODES = ("compiled", "eager")
-CODEGEN = {"compiled": "fx", "inductor": "inductor"}  # compiled modes: their codegen option
+# compiled modes: their compile options. "memory-budget" trains under a cost model with
+# dear collectives (1 ms each), so that memory_budget_mb="auto" keeps buckets gathered in
+# room freed by recompute whatever this machine's timings (see _costs_for_mode).
+COMPILE_OPTIONS = {"compiled": {}, "inductor": {"codegen": "inductor"}, "memory-budget": {"memory_budget_mb": "auto"}}
 ROUTED = "mixtral-eager-experts"  # experts looped over in Python: collectives may follow the data
 UNEQUAL = ("repo-gpt", "llama")  # trained compiled on local batches of 3 and 2 rows
 UNEQUAL_ROWS = (3, 2)
@@ -94,6 +99,8 @@ GROUPS: dict[str, Group] = {
     "routed-eager": Group((ROUTED,), 45, 180, ("eager",)),
     # a transformer, and an in-place op on an activation inside an Inductor region
     "inductor": Group(("llama", "inplace-mul"), 60, 600, ("inductor",)),
+    # the budget's recompute beside the model's own checkpointing (llama-grad-ckpt)
+    "memory-budget": Group(("gpt2", "llama", "llama-grad-ckpt"), 60, 600, ("memory-budget",)),
 }
 GROUP_OF = {name: group for group, spec in GROUPS.items() for name in spec.models if spec.modes == MODES}
 BATCH_NORM = tuple(name for name in GROUP_OF if ZOO[name].batch_norm)
@@ -173,24 +180,35 @@ def train_reference(spec: RealModel, model: nn.Module, batch: tuple[torch.Tensor
     return losses, states
 
 
+def _costs_for_mode(mode: str) -> contextlib.AbstractContextManager:
+    if mode != "memory-budget":
+        return contextlib.nullcontext()
+    return cost_model.assumed({dist.group.WORLD.group_name: cost_model.Costs(alpha=1e-3)})
+
+
 def train_sharded(spec: RealModel, pristine: nn.Module, batch: tuple[torch.Tensor, ...], rows: tuple[int, ...],
-                  rank: int, *, mode: str) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  rank: int, *, mode: str, kept: list[str] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Shard a copy, train it on this rank's rows (``mode``: "eager", or a key of
-    ``CODEGEN``); global losses and the full state."""
-    model = compshard.shard(copy.deepcopy(pristine))
-    step_model: Callable = model if mode == "eager" else torch.compile(
-        model, backend="compshard", options={"codegen": CODEGEN[mode]})
-    opt = adamw(model)
-    local, weight = _split(batch, rows)[rank], _weights(spec, rows)[rank]
-    losses = []
-    for _ in range(STEPS):
-        loss = step_model(*local) * weight
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        total = loss.detach().clone()
-        dist.all_reduce(total)
-        losses.append(total.item() / len(rows))
+    ``COMPILE_OPTIONS``); global losses and the full state. ``kept`` receives the buckets
+    ``memory_budget_mb="auto"`` kept gathered."""
+    with _costs_for_mode(mode), compshard.backend.record_compiles() as compiled:
+        model = compshard.shard(copy.deepcopy(pristine))
+        step_model: Callable = model if mode == "eager" else torch.compile(
+            model, backend="compshard", options=COMPILE_OPTIONS[mode])
+        opt = adamw(model)
+        local, weight = _split(batch, rows)[rank], _weights(spec, rows)[rank]
+        losses = []
+        for _ in range(STEPS):
+            loss = step_model(*local) * weight
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            total = loss.detach().clone()
+            dist.all_reduce(total)
+            losses.append(total.item() / len(rows))
+    if kept is not None:
+        kept += sorted({name for graph in compiled if graph.plan.buckets is not None and graph.plan.buckets.budget
+                        for name in graph.plan.buckets.budget.kept})
     return losses, compshard.full_state_dict(model)
 
 
@@ -284,9 +302,10 @@ def group_worker(rank: int, world_size: int, group: str, out_dir: str) -> dict:
             holder: dict = {}
 
             def run(mode=mode, holder=holder):
-                losses, state = train_sharded(spec, pristine, batch, rows, rank, mode=mode)
+                kept: list[str] = []
+                losses, state = train_sharded(spec, pristine, batch, rows, rank, mode=mode, kept=kept)
                 holder["state"] = state
-                return _compare(losses, expected_losses, state, expected_states[rank])
+                return {**_compare(losses, expected_losses, state, expected_states[rank]), "kept": kept}
 
             results["parity"][(name, mode)] = _attempt(run)
             states[mode] = holder.get("state")
@@ -366,6 +385,19 @@ def test_trains_like_single_process_eager(name, mode):
 def test_inductor_codegen_trains_like_single_process_eager(name):
     for rank, got in enumerate(_get("inductor", "parity", (name, "inductor"))):
         _assert_parity(rank, got)
+
+
+@pytest.mark.parametrize("name", GROUPS["memory-budget"].models)
+def test_auto_memory_budget_trains_like_single_process_eager(name):
+    """memory_budget_mb="auto" keeps buckets gathered from forward to backward in room
+    made by recomputing blocks (GPT-2, Llama): training still matches eager. With Llama's
+    own gradient checkpointing every layer already recomputes what a raise would free, so
+    there is no room and nothing more is kept; the model's checkpointing is left as it is."""
+    found = _get("memory-budget", "parity", (name, "memory-budget"))
+    for rank, got in enumerate(found):
+        _assert_parity(rank, got)
+    assert found[0]["kept"] == found[1]["kept"]
+    assert bool(found[0]["kept"]) == (name != "llama-grad-ckpt"), found[0]["kept"]
 
 
 @pytest.mark.parametrize("name", BATCH_NORM)
