@@ -119,9 +119,13 @@ def _walk(seeds: list[fx.Node], recompute_node: Callable[[fx.Node], bool | None]
             stack.extend(reversed(node.all_input_nodes))
         else:
             saved[node] = None
-    saved_bytes = sum(nbytes(n.meta.get("val")) for n in saved if "recompute" not in producer(n).meta)
     seconds = sum(seconds_of(n) for n in recomputed if "recompute" not in n.meta)
-    return _Plan(list(saved), list(recomputed), list(outside), saved_bytes, seconds)
+    return _Plan(list(saved), list(recomputed), list(outside), _saved_bytes(saved), seconds)
+
+
+def _saved_bytes(saved) -> int:
+    """Bytes of saved nodes this pass decides on (not earlier passes' tagged ones)."""
+    return sum(nbytes(n.meta.get("val")) for n in saved if "recompute" not in producer(n).meta)
 
 
 class _Policy:
@@ -276,19 +280,30 @@ class BlockRaises:
 
 def block_raises(graph: fx.Graph, option, gathered: frozenset[fx.Node]) -> BlockRaises:
     """The :class:`BlockRaises` of the joint ``graph`` under recompute ``option``.
-    ``gathered``: the gathered-parameter chains, not yet tagged (never activations)."""
+    ``gathered``: the gathered-parameter chains, not yet tagged (never activations).
+
+    Linear in the graph: a raise changes only what its block saves, so each block's walk
+    starts from the nodes of that block the all-``"save"`` plan saves, and nodes saved
+    elsewhere stay as they are."""
     policy = _policy(graph, gathered)
     levels, _ = _option_levels(policy, option)
     eager = policy.plan({}, Level.SAVE)
+    saved_in: dict[str, list[fx.Node]] = {}
+    for node in eager.saved:
+        if (block := policy.block_of.get(producer(node))) is not None:
+            saved_in.setdefault(block, []).append(node)
+    eager_saved = set(eager.saved)
     raises = {}
     for block in policy.blocks:
+        own = saved_in.get(block, [])
+        kept_elsewhere = eager_saved.difference(own)
         raised = []
         for level in [levels[block]] if levels else [Level.SELECTIVE, Level.FULL]:
             if level == Level.SAVE:
                 continue
-            trial = policy.plan({block: level}, Level.SAVE)
-            raised.append(BlockRaise(level, eager.saved_bytes - trial.saved_bytes,
-                                     trial.recompute_seconds - eager.recompute_seconds))
+            alone = _walk(own, policy.recompute_node({block: level}, Level.SAVE), policy.seconds)
+            added = [node for node in alone.saved if node not in kept_elsewhere]
+            raised.append(BlockRaise(level, _saved_bytes(own) - _saved_bytes(added), alone.recompute_seconds))
         raises[block] = tuple(raised)
     return BlockRaises(raises, optional=not levels, eager_bytes=eager.saved_bytes, block_of=policy.block_of)
 
