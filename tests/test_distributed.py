@@ -293,11 +293,14 @@ def _step_peak(params, step_model, local: tuple) -> int:
     return peak_rise(step)
 
 
-def _auto_budget(model, local: tuple, rank: int, world_size: int) -> dict:
+def _auto_budget(model, batch: tuple, rank: int, world_size: int) -> dict:
     """``memory_budget_mb="auto"`` on the GPT, with the cost model's constants fixed
     (a collective's latency 1 ms: re-gathers dear) so that its choice does not depend on
-    this machine's timings: parity, what it decided, and its measured peak against eager
-    FSDP2's (one unit per block and the root) on the same model."""
+    this machine's timings: parity, what it decided, its measured peak against eager
+    FSDP2's (one unit per block and the root) on the same model, and what it keeps when
+    the ranks' local batches differ (5 rows and 3: each rank frees other bytes)."""
+    local = tuple(t.chunk(world_size)[rank] for t in batch)
+    uneven = tuple(t[:5] if rank == 0 else t[5:] for t in batch)
     from torch.distributed.fsdp import fully_shard
 
     options = {"memory_budget_mb": "auto"}
@@ -308,6 +311,8 @@ def _auto_budget(model, local: tuple, rank: int, world_size: int) -> dict:
         torch._dynamo.reset()
         sharded = compshard.shard(copy.deepcopy(model))
         peak = _step_peak(sharded.parameters(), torch.compile(sharded, backend="compshard", options=options), local)
+        torch._dynamo.reset()
+        uneven_report = compshard.inspect(compshard.shard(copy.deepcopy(model)), *uneven, options=options)
     eager = copy.deepcopy(model)
     for block in eager.blocks:
         fully_shard(block)
@@ -316,7 +321,8 @@ def _auto_budget(model, local: tuple, rank: int, world_size: int) -> dict:
     return {"parity": {k: trained[k] for k in ("loss", "params", "keys_match")},
             "kept": budget.kept, "levels": budget.levels, "kept_bytes": budget.kept_bytes,
             "freed_bytes": budget.freed_bytes, "recompute": report.plans[0].recompute.levels,
-            "facts": _schedule_facts(report), "peak": peak, "fsdp2_peak": _step_peak(eager.parameters(), eager, local)}
+            "facts": _schedule_facts(report), "peak": peak, "fsdp2_peak": _step_peak(eager.parameters(), eager, local),
+            "uneven_kept": uneven_report.plans[0].buckets.budget.kept}
 
 
 def schedule_worker(rank: int, world_size: int) -> dict:
@@ -374,7 +380,7 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         torch._dynamo.reset()
         variant = parity(model_name, rank, world_size, compile_options=options)
         results[name] = {k: variant[k] for k in ("loss", "params", "keys_match")}
-    results["auto_budget"] = _auto_budget(model, local, rank, world_size)
+    results["auto_budget"] = _auto_budget(model, batch, rank, world_size)
     torch._dynamo.reset()
     bounded = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options=OPTION_VARIANTS["bounded"][1])
     results["bounded_schedule"] = {kind: _independent_checks(gm.graph) for kind, gm in bounded.graphs.items()}
@@ -562,6 +568,10 @@ def test_auto_memory_budget_keeps_buckets_in_room_freed_by_recompute_within_fsdp
         assert "memory budget auto" in facts["table"]
         assert auto["peak"] <= auto["fsdp2_peak"], (auto["peak"], auto["fsdp2_peak"])
     assert schedule_results[0]["auto_budget"]["kept"] == schedule_results[1]["auto_budget"]["kept"]
+    # local batches of 5 rows and 3: the ranks agree on each raise (each rank alone chose
+    # differently, and check_schedule stopped the compile)
+    uneven = [result["auto_budget"]["uneven_kept"] for result in schedule_results]
+    assert uneven[0] == uneven[1] and uneven[0], uneven
 
 
 def test_auto_budget_keeps_a_bucket_only_in_the_room_freed_before_it():

@@ -187,7 +187,8 @@ def _costs_for_mode(mode: str) -> contextlib.AbstractContextManager:
 
 
 def train_sharded(spec: RealModel, pristine: nn.Module, batch: tuple[torch.Tensor, ...], rows: tuple[int, ...],
-                  rank: int, *, mode: str, kept: list[str] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+                  rank: int, *, mode: str,
+                  kept: list[str] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Shard a copy, train it on this rank's rows (``mode``: "eager", or a key of
     ``COMPILE_OPTIONS``); global losses and the full state. ``kept`` receives the buckets
     ``memory_budget_mb="auto"`` kept gathered."""

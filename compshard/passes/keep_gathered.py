@@ -28,20 +28,25 @@ hidden it behind compute (a GPU overlaps it; gloo on CPU takes it from compute),
 and is never kept for time.
 
 Only shapes, dtypes, the module tree, the options and the agreed cost constants decide,
-so every rank keeps the same buckets.
+and ranks whose local batches differ (so do their activations) agree on each raise first
+(through the store: the least freed bytes and the most recompute seconds of any rank), so
+every rank keeps the same buckets.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+import torch.distributed as dist
 from torch import fx
 
 from compshard.compile_plan import BucketPlan, MemoryBudget, MiB
 from compshard.cost_model import collective_seconds, costs_for
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op, unshard_args
+from compshard.ops import resolve_group
 from compshard.passes.recompute import BlockRaise, BlockRaises, Level, block_raises
+from compshard.rank_exchange import exchange_across_ranks
 
 __all__ = ["keep_gathered", "smallest_within"]
 
@@ -116,10 +121,29 @@ def _choose(candidates: list[_Candidate], raises: dict[str, BlockRaise], chosen:
     return _Choice(raises, tuple(kept), saved, sum(r.seconds for r in raises.values()) if chosen else 0.0)
 
 
+def _agreed(trade: BlockRaises, group_name: str) -> BlockRaises:
+    """``trade`` with every raise at the least freed bytes and the most seconds of any rank
+    of ``group_name`` (ranks' local batches, and so their activations, may differ)."""
+    group = resolve_group(group_name) if group_name else None
+    if group is None or dist.get_world_size(group) == 1:
+        return trade
+    figures = {(block, r.level): (r.freed_bytes, r.seconds) for block, raised in trade.raises.items() for r in raised}
+    _, everyone = exchange_across_ranks("compshard-memory-budget", group_name, figures,
+                                        "a joint graph with memory_budget_mb='auto'")
+
+    def agreed(block: str, own: BlockRaise) -> BlockRaise:
+        ranks = [rank.get((block, own.level), figures[block, own.level]) for rank in everyone]
+        return BlockRaise(own.level, min(freed for freed, _ in ranks), max(seconds for _, seconds in ranks))
+
+    raises = {block: tuple(agreed(block, r) for r in raised) for block, raised in trade.raises.items()}
+    return replace(trade, raises=raises)
+
+
 def _auto(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> BucketPlan:
-    chains = frozenset(member for node in graph.nodes if is_op(node, compshard_ops.unshard.default)
-                       for member in gathered_chain(node))
-    trade: BlockRaises = block_raises(graph, ctx.options.recompute, chains)
+    unshards = [node for node in graph.nodes if is_op(node, compshard_ops.unshard.default)]
+    chains = frozenset(member for node in unshards for member in gathered_chain(node))
+    group_name = next((unshard_args(n).group_name for n in unshards if unshard_args(n).group_name), "")
+    trade = _agreed(block_raises(graph, ctx.options.recompute, chains), group_name)
     candidates = _candidates(graph, buckets, trade.block_of)
     if trade.optional:
         choices = [_choose(candidates, {block: r for block, options in trade.raises.items() for r in options
