@@ -168,6 +168,7 @@ def test_block_raises_price_each_block_as_a_walk_of_the_whole_forward_does():
     with dropout: random ops saved under every level)."""
     import importlib
 
+    from functorch.compile import make_boxed_func
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
@@ -190,7 +191,8 @@ def test_block_raises_price_each_block_as_a_walk_of_the_whole_forward_does():
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(TINY_GPT, dropout=0.1))
     x = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size))
-    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=lambda gm, _: gm, partition_fn=partition))
+    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
+                                                 partition_fn=partition))
     compiled(x, x).backward()
     assert len(compared) == 4  # 2 blocks x (selective, full)
     assert all(freed > 0 for (freed, _), _ in compared)
