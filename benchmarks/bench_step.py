@@ -126,7 +126,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import compshard  # noqa: E402
 from harness import (  # noqa: E402
-    AUTO_BUDGET, SYSTEMS, Result, mib, progress, train, start_workload,
+    COMPSHARD_SYSTEMS, SYSTEMS, Result, mib, progress, train, start_workload,
     wrap_fsdp2, write_results,
 )
 
@@ -198,10 +198,8 @@ def step_collectives(
     system: str, reference: nn.Module, batch: tuple[torch.Tensor, ...], options: dict, world_size: int,
 ) -> list[Collective]:
     """The collectives one training step of ``system`` issues."""
-    if system == "compshard":
-        return compshard_collectives(reference, batch, options)
-    if system == "compshard-auto":
-        return compshard_collectives(reference, batch, {**options, **AUTO_BUDGET})
+    if system in COMPSHARD_SYSTEMS:
+        return compshard_collectives(reference, batch, {**options, **COMPSHARD_SYSTEMS[system]})
     if system in ("fsdp2", "fsdp2+compile"):
         return fsdp2_collectives(reference, batch[0].device, world_size)
     if system == "ddp":
@@ -321,8 +319,8 @@ def main(args: argparse.Namespace) -> None:
 
     wraps = {COMPUTE_ONLY: lambda model: model}
     for system in args.systems:
-        compiled_by_us = system in ("compshard", "compshard-auto")
-        wraps[system] = functools.partial(SYSTEMS[system], **args.options) if compiled_by_us else SYSTEMS[system]
+        wraps[system] = functools.partial(SYSTEMS[system], **args.options) if system in COMPSHARD_SYSTEMS \
+            else SYSTEMS[system]
     # Before training: once FSDP2 + compile has run, Dynamo compiles the GPT differently.
     collectives = {system: step_collectives(system, reference, batch, args.options, world_size)
                    for system in args.systems}

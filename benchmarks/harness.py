@@ -76,11 +76,12 @@ def wrap_compshard(model: nn.Module, **compile_options) -> Callable:
     return torch.compile(model, backend="compshard", options=compile_options or None)
 
 
-AUTO_BUDGET = {"memory_budget_mb": "auto"}  # the "compshard-auto" system's options, over --options
+# The systems compshard compiles, and the options each sets over the caller's (--options).
+COMPSHARD_SYSTEMS = {"compshard": {}, "compshard-auto": {"memory_budget_mb": "auto"}}
 
 
-def wrap_compshard_auto(model: nn.Module, **compile_options) -> Callable:
-    return wrap_compshard(model, **{**compile_options, **AUTO_BUDGET})
+def _compshard_with(options: dict) -> Wrap:
+    return lambda model, **compile_options: wrap_compshard(model, **{**compile_options, **options})
 
 
 def wrap_fsdp2(model: nn.Module, compiled: bool = False) -> Callable:
@@ -104,8 +105,7 @@ def wrap_ddp(model: nn.Module) -> Callable:
 RUN_ALONE = {"fsdp2+compile"}
 
 SYSTEMS: dict[str, Wrap] = {
-    "compshard": wrap_compshard,
-    "compshard-auto": wrap_compshard_auto,
+    **{name: _compshard_with(options) for name, options in COMPSHARD_SYSTEMS.items()},
     "fsdp2": wrap_fsdp2,
     "fsdp2+compile": lambda model: wrap_fsdp2(model, compiled=True),
     "ddp": wrap_ddp,

@@ -198,6 +198,11 @@ class CompilePlan:
     saved_count: int | None = None  # forward outputs the backward takes (set at the partition)
     graphs: tuple[GraphPlan, ...] = ()
 
+    @property
+    def memory_budget(self) -> MemoryBudget | None:
+        """What ``memory_budget_mb="auto"`` decided (None without it, or before buckets)."""
+        return self.buckets.budget if self.buckets is not None else None
+
     def graph(self, kind: GraphKind) -> GraphPlan | None:
         """The plan of this compile's graph of ``kind`` (None before it is compiled)."""
         return next((g for g in self.graphs if g.kind == kind), None)

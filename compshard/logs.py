@@ -82,16 +82,15 @@ def _plain(value: Any) -> Any:
 def log_plan(plan: CompilePlan) -> None:
     """After the joint graph's passes and the partition: the bucket and recompute plans."""
     buckets = plan.buckets or ()
-    recompute = plan.recompute
+    recompute, budget = plan.recompute, plan.memory_budget
     if log.isEnabledFor(logging.INFO):
         log.info("compshard: %d buckets", len(buckets))
         for bucket in buckets:
             log.info("compshard:   bucket %s: %d params, %s gathered%s", bucket.name, len(bucket.params),
                      format_mib(bucket.nbytes), ", kept gathered forward->backward" if bucket.keep_gathered else "")
-        for part in (plan.buckets.budget if plan.buckets is not None else None, recompute):
+        for part in (budget, recompute):
             if part is not None:
                 log.info("compshard: %s", part.describe())
-    budget = plan.buckets.budget if plan.buckets is not None else None
     _artifact("compshard_plan", "json", lambda: {
         "buckets": [{"name": b.name, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered}
                     for b in buckets],

@@ -15,8 +15,8 @@ Where a cut may go: between two ops, when every value live across the cut is a
 contiguous floating-point tensor (activations: the pipeline sends them forward and their
 gradients back, each whole; the process group's sends and receives take contiguous
 buffers only, and torch's stages make the gradient's receive buffer with the value's
-strides, so a strided view crossing a cut fails at the first step). Several live values are allowed; each is one more send per micro-batch, which the
-cost below charges. Parameters, buffers and constants never cross a cut: each stage reads
+strides, so a strided view crossing a cut fails at the first step). Several live values
+are allowed; each is one more send per micro-batch, which the cost below charges. Parameters, buffers and constants never cross a cut: each stage reads
 the ones its ops use, under their original names.
 
 Cost of a stage: the sum of its ops' estimated seconds (``cost_model.node_seconds``:

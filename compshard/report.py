@@ -208,8 +208,7 @@ class Report:
             f"{self.config.replicate_size}, param_dtype {self.config.param_dtype}, reduce_dtype "
             f"{self.config.reduce_dtype}, offload {self.config.offload}"]
         described = [(i, part.describe()) for i, plan in enumerate(self.plans)
-                     for part in (plan.buckets.budget if plan.buckets is not None else None, plan.recompute)
-                     if part]
+                     for part in (plan.memory_budget, plan.recompute) if part]
         recompute = [f"plan {i}: {text}" if several else text for i, text in described]
         return "\n\n".join([
             "\n".join([*sharding, self.header()]),

@@ -53,6 +53,13 @@ def unshard_args(node: fx.Node) -> UnshardArgs:
     return UnshardArgs(*node.args, **node.kwargs)
 
 
+def unshard_group(graph: fx.Graph) -> str:
+    """The process group of the graph's first ``compshard::unshard`` that names one
+    (``""``: none does)."""
+    return next((unshard_args(node).group_name for node in graph.nodes
+                 if is_op(node, compshard_ops.unshard.default) and unshard_args(node).group_name), "")
+
+
 def reduce_grad_args(node: fx.Node) -> ReduceGradArgs:
     """A ``compshard::reduce_grad`` node's arguments by name."""
     return ReduceGradArgs(*node.args, **node.kwargs)

@@ -42,9 +42,9 @@ from torch import fx
 
 from compshard.compile_plan import BucketPlan, MemoryBudget, MiB
 from compshard.cost_model import collective_seconds, costs_for
-from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op, unshard_args
 from compshard.ops import resolve_group
+from compshard.passes.context import PassContext
+from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op, unshard_args, unshard_group
 from compshard.passes.recompute import BlockRaise, BlockRaises, Level, block_raises
 from compshard.rank_exchange import exchange_across_ranks
 
@@ -73,14 +73,13 @@ class _Candidate:
     regather_seconds: float
 
 
-def _candidates(graph: fx.Graph, buckets: BucketPlan, block_of: dict[fx.Node, str]) -> list[_Candidate]:
-    unshards: dict[str, fx.Node] = {}
-    for node in graph.nodes:
-        if is_op(node, compshard_ops.unshard.default):
-            unshards.setdefault(unshard_args(node).param, node)
+def _candidates(unshards: list[fx.Node], buckets: BucketPlan, block_of: dict[fx.Node, str]) -> list[_Candidate]:
+    unshard_of: dict[str, fx.Node] = {}
+    for node in unshards:
+        unshard_of.setdefault(unshard_args(node).param, node)
     candidates = []
     for bucket in buckets:
-        nodes = [unshards[param] for param in bucket.params if param in unshards]
+        nodes = [unshard_of[param] for param in bucket.params if param in unshard_of]
         users = {block_of.get(user) for node in nodes for member in gathered_chain(node) for user in member.users}
         users.discard(None)
         block = next(iter(users)) if len(users) == 1 else None
@@ -142,9 +141,8 @@ def _agreed(trade: BlockRaises, group_name: str) -> BlockRaises:
 def _auto(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> BucketPlan:
     unshards = [node for node in graph.nodes if is_op(node, compshard_ops.unshard.default)]
     chains = frozenset(member for node in unshards for member in gathered_chain(node))
-    group_name = next((unshard_args(n).group_name for n in unshards if unshard_args(n).group_name), "")
-    trade = _agreed(block_raises(graph, ctx.options.recompute, chains), group_name)
-    candidates = _candidates(graph, buckets, trade.block_of)
+    trade = _agreed(block_raises(graph, ctx.options.recompute, chains), unshard_group(graph))
+    candidates = _candidates(unshards, buckets, trade.block_of)
     if trade.optional:
         choices = [_choose(candidates, {block: r for block, options in trade.raises.items() for r in options
                                         if r.level == level}, chosen=True) for level in (Level.SELECTIVE, Level.FULL)]
@@ -165,6 +163,11 @@ def _auto(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> BucketPlan:
         kept_bytes=sum(c.nbytes for c in candidates if c.name in kept),
         seconds_saved=best.seconds_saved,
     )
+    return _keeping(buckets, kept, budget)
+
+
+def _keeping(buckets: BucketPlan, kept: set[str], budget: MemoryBudget | None = None) -> BucketPlan:
+    """``buckets`` with those named in ``kept`` kept gathered."""
     return BucketPlan(tuple(replace(b, keep_gathered=True) if b.name in kept else b for b in buckets), budget=budget)
 
 
@@ -174,5 +177,4 @@ def keep_gathered(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> Buc
         return buckets
     if budget == "auto":
         return _auto(graph, ctx, buckets)
-    kept = smallest_within(buckets, budget * MiB)
-    return BucketPlan(tuple(replace(b, keep_gathered=True) if b.name in kept else b for b in buckets))
+    return _keeping(buckets, smallest_within(buckets, budget * MiB))

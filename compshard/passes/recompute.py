@@ -56,7 +56,7 @@ from compshard.sizes import nbytes
 from compshard.logs import warn
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    aten, backward_nodes, block_of_nodes, compshard_ops, first_arg, is_op, is_view, producer, unshard_args,
+    aten, backward_nodes, block_of_nodes, first_arg, is_view, producer, unshard_group,
 )
 
 __all__ = ["recompute", "block_raises", "BlockRaise", "BlockRaises", "Level", "COMPUTE_INTENSIVE"]
@@ -222,13 +222,6 @@ def _budget_levels(policy: _Policy, budget_bytes: int) -> tuple[dict[str, Level]
     return levels, plan
 
 
-def _group_costs(graph: fx.Graph) -> Costs:
-    for node in graph.nodes:
-        if is_op(node, compshard_ops.unshard.default) and unshard_args(node).group_name:
-            return costs_for(unshard_args(node).group_name)
-    return Costs()
-
-
 def _tag(plan: _Plan, save_outside_inputs: bool) -> None:
     """Tag the plan; tags set by earlier passes win."""
     for node in plan.recomputed:
@@ -241,7 +234,7 @@ def _tag(plan: _Plan, save_outside_inputs: bool) -> None:
 def _policy(graph: fx.Graph, gathered: frozenset[fx.Node] = frozenset()) -> _Policy:
     backward = backward_nodes(graph)
     forward = [n for n in graph.nodes if n.op == "call_function" and n not in backward]
-    return _Policy(forward, backward, _group_costs(graph), gathered)
+    return _Policy(forward, backward, costs_for(unshard_group(graph)), gathered)
 
 
 def _option_levels(policy: _Policy, option) -> tuple[dict[str, Level], _Plan | None]:
