@@ -55,9 +55,9 @@ class CompileOptions:
             pointwise and normalization ops are recomputed. ``{"budget_mb": X}``: keep
             at most X MiB of activations per rank, raising blocks to selective or full
             at the least estimated recompute time (a warning when it cannot fit).
-        check_schedule: compare a fingerprint of every compiled schedule across ranks at
-            compile time and raise on a mismatch (exchanged through the c10d store, once
-            per graph).
+        check_schedule: compare the collectives every compiled schedule starts (kind,
+            parameters, bytes, in order) across ranks at compile time and raise on a
+            mismatch (exchanged through the c10d store, once per graph).
         verify: check graph invariants after every pass (slower compiles; for debugging).
     """
 

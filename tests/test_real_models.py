@@ -74,8 +74,9 @@ MODES = ("compiled", "eager")
 # room freed by recompute whatever this machine's timings (see _costs_for_mode).
 COMPILE_OPTIONS = {"compiled": {}, "inductor": {"codegen": "inductor"}, "memory-budget": {"memory_budget_mb": "auto"}}
 ROUTED = "mixtral-eager-experts"  # experts looped over in Python: collectives may follow the data
-UNEQUAL = ("repo-gpt", "llama")  # trained compiled on local batches of 3 and 2 rows
-UNEQUAL_ROWS = (3, 2)
+# trained compiled on unequal local batches (rows per rank): 3 and 2, and one rank of a
+# single row (Dynamo specializes size 1, so the ranks' graphs hold different ops)
+UNEQUAL = (("repo-gpt", (3, 2)), ("llama", (3, 2)), ("repo-gpt", (4, 1)), ("llama", (4, 1)))
 
 
 class Group(NamedTuple):
@@ -318,19 +319,20 @@ def group_worker(rank: int, world_size: int, group: str, out_dir: str) -> dict:
         _save(results, out_dir, rank)
     if group == "vision":  # cheap group: the unequal local batches ride along
         results["unequal"] = {}
-        for name in UNEQUAL:
+        for name, rows in UNEQUAL:
             spec = ZOO[name]
-            pristine, batch = spec.build(sum(UNEQUAL_ROWS))
-            expected_losses, expected_states = train_reference(spec, copy.deepcopy(pristine), batch, UNEQUAL_ROWS)
+            pristine, batch = spec.build(sum(rows))
+            expected_losses, expected_states = train_reference(spec, copy.deepcopy(pristine), batch, rows)
             torch._dynamo.reset()
 
-            def run_unequal(spec=spec, pristine=pristine, batch=batch, expected=(expected_losses, expected_states)):
-                losses, state = train_sharded(spec, pristine, batch, UNEQUAL_ROWS, rank, mode="compiled")
+            def run_unequal(spec=spec, pristine=pristine, batch=batch, rows=rows,
+                            expected=(expected_losses, expected_states)):
+                losses, state = train_sharded(spec, pristine, batch, rows, rank, mode="compiled")
                 return _compare(losses, expected[0], state, expected[1][rank])
 
-            results["unequal"][name] = _attempt(run_unequal)
+            results["unequal"][name, rows] = _attempt(run_unequal)
             _save(results, out_dir, rank)
-            _barrier(f"unequal/{name}", rank, world_size)
+            _barrier(f"unequal/{name}/{rows}", rank, world_size)
     return results
 
 
@@ -411,11 +413,11 @@ def test_batch_norm_compiled_matches_uncompiled(name):
         assert diffs[worst] <= RTOL, f"rank {rank}: {worst} compiled vs uncompiled relative error {diffs[worst]:.2e}"
 
 
-@pytest.mark.parametrize("name", UNEQUAL)
-def test_unequal_local_batches_match_the_global_batch(name):
-    """Rank 0 trains on 3 rows, rank 1 on 2 (compiled); the weighted losses average to the
-    mean over all 5 rows, so training matches eager on the global batch of 5."""
-    for rank, got in enumerate(_get("vision", "unequal", name)):
+@pytest.mark.parametrize(("name", "rows"), UNEQUAL)
+def test_unequal_local_batches_match_the_global_batch(name, rows):
+    """Rank 0 trains on 3 rows and rank 1 on 2, or 4 and 1 (compiled); the weighted losses
+    average to the mean over all 5 rows, so training matches eager on the global batch of 5."""
+    for rank, got in enumerate(_get("vision", "unequal", (name, rows))):
         _assert_parity(rank, got)
 
 

@@ -16,9 +16,10 @@ scheduled nodes (kind, parameters, bytes, and position counted in original non-v
 compute nodes) with rank-independent facts only: local shard shapes differ between ranks
 (a rank may hold no rows), and with them the views around the shards, so views do not
 count. With ``check_schedule`` (default) the sequences are exchanged across the ranks at
-compile time (``rank_exchange``: through the c10d store); a difference raises
-``ScheduleError`` naming the first differing node on every rank, instead of a hang at
-run time.
+compile time (``rank_exchange``: through the c10d store) and their collective starts
+compared (kind, parameters, bytes: what must match for every rank to join the same
+collectives in the same order); a difference raises ``ScheduleError`` naming the first
+differing collective on every rank, instead of a hang at run time.
 """
 
 from __future__ import annotations
@@ -106,9 +107,17 @@ def _check_inflight(graph: fx.Graph, ctx: PassContext) -> None:
                 started.pop(first_arg(node), None)
 
 
+def _collective_starts(entries: list[tuple]) -> list[tuple]:
+    """What ranks must agree on: the collectives they start, in order (kind, parameters,
+    bytes). Where waits and frees sit, and how much compute lies between, is each rank's
+    own: a rank whose local batch has one row compiles other ops (Dynamo specializes
+    size 1) and is still matched collective for collective."""
+    return [entry[:3] for entry in entries if entry[0] in _STARTS]
+
+
 def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContext) -> None:
-    """Compare this graph's schedule with every rank's; a difference names the first differing node."""
-    sequence, everyone = exchange_across_ranks("compshard", group_name, (ctx.graph, entries),
+    """Compare this graph's collectives with every rank's; a difference names the first differing one."""
+    sequence, everyone = exchange_across_ranks("compshard", group_name, (ctx.graph, _collective_starts(entries)),
                                                f"a {ctx.graph} schedule")
     reference = everyone[0][1]
     for other_rank, (graph, other) in enumerate(everyone):
@@ -121,8 +130,8 @@ def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContex
         theirs = other[index] if index < len(other) else "<end of schedule>"
         ours = reference[index] if index < len(reference) else "<end of schedule>"
         raise ScheduleError(
-            f"compshard: the {ctx.graph} schedule differs across ranks at scheduled node #{index}: "
-            f"rank 0 has {ours}, rank {other_rank} has {theirs} (kind, params, bytes, position). "
+            f"compshard: the {ctx.graph} schedule differs across ranks at collective #{index}: "
+            f"rank 0 has {ours}, rank {other_rank} has {theirs} (kind, params, bytes). "
             "Every rank must compile the same model with the same options and input shapes."
         )
 
