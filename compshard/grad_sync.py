@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from compshard.eager_gather import EagerReductions, accumulate_grad
-from compshard.ops import ShardLayout, group_rank
+from compshard.ops import ShardLayout, group_rank, group_size, sum_over_ranks
 from compshard.options import CompileOptions
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradSync", "no_sync", "reduce_accumulated_gradients", "set_requires_gradient_sync"]
@@ -81,19 +81,22 @@ class GradSync:
     def take_accumulated(self, name: str) -> torch.Tensor | None:
         """The full gradient of parameter ``name`` accumulated since the last reduction, in
         the reduce dtype, taken out of where it accumulates: the ``.grad`` of its
-        step-gathered tensor (:mod:`compshard.step_gather`), which is released with it
+        step-gathered tensor (:mod:`compshard.step_gather`), whose storage is then freed
         (taking the gradient ends the parameter's step), else of its gradient sink.
         Zeros when nothing accumulated; ``None`` for a frozen parameter, or one whose
         gradients do not accumulate (sync never turned off, no step gathering)."""
         holder = self.step_gathered.get(name) if self.step_gathered is not None else self.sinks.get(name)
         if holder is None or not holder.requires_grad:
             return None
-        if self.step_gathered is not None:
-            del self.step_gathered[name]
         spec = self.specs[name]
         grad = holder.grad if holder.grad is not None else torch.zeros(spec.full_shape, dtype=holder.dtype,
                                                                        device=holder.device)
         holder.grad = None
+        if self.step_gathered is not None:
+            del self.step_gathered[name]
+            # Freed outright: the autograd graph of any output still alive (a loss the
+            # caller holds) references the tensor, through its AccumulateGrad node.
+            holder.untyped_storage().resize_(0)
         return grad.to(spec.reduce_dtype) if spec.reduce_dtype is not None else grad
 
     def reduce_accumulated(self, params: Mapping[str, nn.Parameter], *, divide_by: int = 1,
@@ -105,10 +108,10 @@ class GradSync:
         Parameters are taken in registration order (the same collectives in the same order
         on every rank) into buckets of consecutive parameters with the same groups and
         dtypes, each closed before its full gradients would pass ``bucket_bytes`` (a larger
-        one is a bucket alone): one ``compshard::reduce_grad`` per bucket
-        (:func:`_reduce_bucket`), replicated (0-d) parameters one each. Memory: one packed
-        bucket (plus the op's divided copy) beside the full gradients, each released once
-        its bucket is reduced.
+        one is a bucket alone): one reduction per bucket (:func:`_reduce_bucket`),
+        replicated (0-d) parameters one each. Memory: beside the full gradients, each
+        released once its bucket is packed, one packed bucket (divided as it is packed)
+        and what its reduction receives.
 
         A parameter that accumulated nothing contributes zeros, so that every rank issues
         the same collectives whatever ran: it then gets a zero gradient, not ``None``."""
@@ -159,13 +162,15 @@ def _reduce_and_accumulate(bucket: list[_Accumulated], divide_by: int) -> None:
 
 
 def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
-    """This rank's reduced rows of each gradient of ``bucket`` (same :attr:`_Accumulated.key`),
-    through one ``compshard::reduce_grad``: the gradients packed rank-major (row ``r`` of a
-    ``[world_size, S]`` tensor holds rank ``r``'s rows of every gradient, zero-padded, as
-    the compiled backward packs a bucket), reduced as that tensor, whose ``Shard(0)`` row
-    is this rank's, then unpacked. The arithmetic per element is the op's for each
-    gradient alone. A replicated (0-d) parameter goes alone, as itself. Empties ``bucket``
-    (a 0-d parameter's excepted)."""
+    """This rank's reduced rows of each gradient of ``bucket`` (same :attr:`_Accumulated.key`):
+    the gradients packed rank-major (row ``r`` of a ``[world_size, S]`` tensor holds rank
+    ``r``'s rows of every gradient, zero-padded, as the compiled backward packs a bucket)
+    and divided by the ranks as they are packed, that tensor reduced by
+    ``compshard::reduce_grad``'s collectives (:func:`compshard.ops.sum_over_ranks`; its
+    ``Shard(0)`` row is this rank's), then unpacked. The arithmetic per element is that
+    op's for each gradient alone (divide, then sum), without its divided copy of the
+    packed bucket. A replicated (0-d) parameter goes alone, through the op. Empties
+    ``bucket`` (a 0-d parameter's excepted)."""
     first = bucket[0]
     spec, world_size, shard_dtype = first.spec, first.spec.world_size, first.param.dtype
     if not spec.full_shape:
@@ -174,15 +179,16 @@ def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
     rank = group_rank(spec.group_name)
     layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]
     shard_numels = [layout.padded_shard_numel for layout in layouts]
-    label = spec.fqn if len(bucket) == 1 else f"{spec.fqn} and {len(bucket) - 1} more"
+    ranks = world_size * group_size(spec.replicate_group)
     packed = torch.ops.compshard.reduce_scatter_copy_in([item.grad for item in bucket], shard_numels, world_size,
-                                                       first.grad.dtype, None)
+                                                       first.grad.dtype, ranks if ranks > 1 else None)
     del first
     bucket.clear()  # the full gradients are packed: release them before the reduction allocates
-    reduced = torch.ops.compshard.reduce_grad(packed, [world_size, sum(shard_numels)], world_size, spec.group_name,
-                                              label, None, shard_dtype, spec.replicate_group)
+    reduced = sum_over_ranks(packed, ShardLayout((world_size, sum(shard_numels)), world_size, rank), spec.group_name,
+                             spec.replicate_group)
+    del packed  # (where the reduction returned a new tensor) before unpacking allocates
     local_numels = [math.prod(layout.local_shape) for layout in layouts]
-    flats = torch.ops.compshard.reduce_scatter_copy_out(reduced.view(-1), shard_numels, local_numels, shard_dtype)
+    flats = torch.ops.compshard.reduce_scatter_copy_out(reduced, shard_numels, local_numels, shard_dtype)
     return [flat.view(layout.local_shape) for flat, layout in zip(flats, layouts)]
 
 

@@ -262,19 +262,27 @@ def reduce_grad(
     replicate_group: str,
 ) -> torch.Tensor:
     layout = _shard_layout(full_shape, world_size, group_name)
-    replicas = group_size(replicate_group)
+    ranks = world_size * group_size(replicate_group)
     flat = grad.reshape(-1).to(reduce_dtype or grad.dtype)
-    if world_size * replicas == 1:
+    if ranks == 1:
         return flat.to(shard_dtype).view(layout.local_shape).clone()
-    flat = flat / (world_size * replicas)
-    if world_size > 1 and layout.replicated:
-        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group_name))
-    elif world_size > 1:
-        padded = _padded(flat, world_size * layout.padded_shard_numel)
-        flat = reduce_scatter_sum(padded, world_size, group_name)[: math.prod(layout.local_shape)]
-    if replicas > 1:
-        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", replicate_group))
+    flat = sum_over_ranks(flat / ranks, layout, group_name, replicate_group)
     return flat.to(shard_dtype).view(layout.local_shape)
+
+
+def sum_over_ranks(flat: torch.Tensor, layout: ShardLayout, group_name: str, replicate_group: str) -> torch.Tensor:
+    """This rank's rows of ``layout`` (flattened) of the sum of ``flat`` (a full tensor,
+    flattened) over the ranks of ``group_name`` and then the replicas of
+    ``replicate_group``: ``reduce_grad``'s collectives, waited, without its division and
+    casts. ``flat`` itself when there is no other rank."""
+    if layout.world_size > 1 and layout.replicated:
+        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group_name))
+    elif layout.world_size > 1:
+        padded = _padded(flat, layout.world_size * layout.padded_shard_numel)
+        flat = reduce_scatter_sum(padded, layout.world_size, group_name)[: math.prod(layout.local_shape)]
+    if group_size(replicate_group) > 1:
+        flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", replicate_group))
+    return flat
 
 
 def reduce_scatter_sum(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:

@@ -20,11 +20,11 @@ When a sharded stage gathers its parameters is the ``reshard`` option (see
   ``step`` (:func:`compshard.step_gather.gathered_for_step`: one all-gather per bucket of
   at most the compile option ``bucket_mb`` of full parameters, in registration order, the
   same on every rank), every micro-batch's forward and backward reads them (its graphs
-  hold no collective), and each is released as its gradient is taken for the end-of-step
+  hold no collective), and each is freed as its gradient is taken for the end-of-step
   reduction. The stage's full parameters are held for the whole step (``dp`` times its
   shards), as FSDP2 holds a root unit under torch's pipeline schedules; nothing is
   gathered while computing. The default: on bench_pipeline's 2 x 2 GPT runs it was the
-  faster mode by a quarter to a third, for 2 to 5% more peak memory (README, "Pipeline
+  faster mode by a third, for 3 to 19% more peak memory (README, "Pipeline
   parallelism").
 - ``"per_microbatch"``: each of the ``M`` micro-batches gathers what its forward reads,
   and again what its backward reads (compiled: in buckets, prefetched and freed after

@@ -7,9 +7,10 @@ returns that parameter's full tensor gathered on entry, instead of gathering it
 in the block run with no collective at all, and every backward accumulates each
 parameter's *full* gradient into the gathered tensor's ``.grad`` (in the gathered dtype).
 :func:`compshard.grad_sync.reduce_accumulated_gradients`, called inside the block,
-reduce-scatters those sums once, in buckets, and ends the step: it releases each
-trainable gathered parameter with its gradient, before its bucket's reduction allocates
-(no parameter may be read after it). Leaving the block drops what is left (frozen
+reduce-scatters those sums once, in buckets, and ends the step: it frees each
+trainable gathered parameter's storage as it takes its gradient, before its bucket's
+reduction allocates, whatever still references the tensor (the autograd graph of a loss
+the caller holds does; no parameter may be read after it). Leaving the block drops what is left (frozen
 parameters, and everything when the block ends without a reduction).
 
 Entry gathers in buckets: the parameters in registration order (the same on every rank)

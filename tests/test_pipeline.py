@@ -264,6 +264,31 @@ def _reduce_accumulated_in_buckets(rank: int, world_size: int) -> dict:
     }
 
 
+def _released_while_a_loss_is_held(rank: int, world_size: int) -> dict:
+    """The GPT's parameters gathered for a step, two micro-batches' full gradients
+    accumulated on them and reduced while their losses (and so their autograd graphs,
+    whose AccumulateGrad nodes reference every gathered parameter) are still held, as a
+    training loop holds its loss: the bytes each gathered parameter's storage still holds
+    after the reduction, and the gradients against the whole batch's eager ones."""
+    from compshard.grad_sync import grad_sync_state
+    from compshard.step_gather import gathered_for_step
+
+    reference, batch = make_model("gpt")
+    model = compshard.shard(copy.deepcopy(reference))
+    reference(*batch).backward()
+    x, y = local_batch(batch, rank, world_size)
+    with gathered_for_step(model):
+        gathered = dict(grad_sync_state(model).step_gathered)
+        losses = [model(*micro_batch) for micro_batch in zip(x.chunk(2), y.chunk(2))]
+        for loss in losses:
+            loss.backward()
+        reduce_accumulated_gradients(model, divide_by=2)
+        held = {name: tensor.untyped_storage().nbytes() for name, tensor in gathered.items()}
+    expected = {name: p.grad for name, p in reference.named_parameters()}
+    return {"held": held, "losses_held": all(loss.grad_fn is not None for loss in losses),
+            "grads": {name: relative_error(p.grad.full_tensor(), expected[name]) for name, p in model.named_parameters()}}
+
+
 def _run_readme_example() -> str:
     block = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "compshard.pipeline(" in b)
     out = io.StringIO()
@@ -286,6 +311,7 @@ def pipeline_worker(rank: int, world_size: int) -> dict:
     results = {name: _train(rank, world_size, *case) for name, case in CASES[world_size].items()}
     results["readme"] = _run_readme_example()
     results["buckets"] = _reduce_accumulated_in_buckets(rank, world_size)
+    results["released"] = _released_while_a_loss_is_held(rank, world_size)
     return results
 
 
@@ -371,6 +397,18 @@ def test_accumulated_gradients_reduce_in_buckets(pipeline_results):
         worst = max(got["grads"], key=got["grads"].get)
         assert got["grads"][worst] <= RTOL, f"rank {rank}: {worst} gradient relative error {got['grads'][worst]:.2e}"
         assert got["frozen_grad"] is None
+
+
+def test_the_step_reduction_frees_the_gathered_parameters_while_a_loss_is_held(pipeline_results):
+    """Freed outright, not left to the last reference to drop: a held loss's graph would keep
+    every gathered parameter (a whole stage's full parameters) alive through the reduction."""
+    _, results = pipeline_results
+    for rank, result in enumerate(results):
+        got = result["released"]
+        assert got["losses_held"]
+        assert got["held"] and all(nbytes == 0 for nbytes in got["held"].values()), (rank, got["held"])
+        worst = max(got["grads"], key=got["grads"].get)
+        assert got["grads"][worst] <= RTOL, f"rank {rank}: {worst} gradient relative error {got['grads'][worst]:.2e}"
 
 
 def test_readme_pipeline_example_runs(pipeline_results):
