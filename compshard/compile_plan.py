@@ -181,7 +181,7 @@ class GraphPlan:
     coalescing: Coalescing | None = None
     prefetch: Prefetch | None = None
     peak_bytes: int | None = None  # estimated peak bytes the graph allocates (``estimate_memory``)
-    fingerprint: str | None = None  # the schedule's, the same on every rank (``check_schedule``)
+    fingerprint: str | None = None  # the schedule's (``check_schedule``), the same on ranks whose graphs match
     pass_seconds: tuple[tuple[str, float], ...] = ()
 
 

@@ -63,7 +63,8 @@ class Report:
             ``prefetch`` (graph name -> across how many all-gathers' uses its all-gather
             runs; 0: started at its wait).
         timelines: graph name -> estimated :class:`~compshard.timeline.Timeline`.
-        fingerprints: graph name -> schedule fingerprint (the same on every rank).
+        fingerprints: graph name -> schedule fingerprint (the same on every rank whose graph
+            holds the same ops; ``check_schedule`` compares the collectives alone).
         peak_bytes: graph name -> estimated peak bytes the graph allocates.
         recompute: the first plan's recompute policy and the bytes its forward saves for
             the backward (a :class:`~compshard.compile_plan.RecomputePlan`; None when no

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 import re
-from typing import Any, Callable, Iterable
+from typing import Any, Callable
 
 import torch
 from torch import fx
