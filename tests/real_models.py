@@ -223,6 +223,36 @@ def build_qwen2(rows: int = BATCH):
     return _causal(Qwen2ForCausalLM, Qwen2Config(**_decoder_kwargs()), rows)  # q/k/v biases
 
 
+def build_gemma2(rows: int = BATCH):
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    _quiet_transformers()
+    # attention and final logit soft-capping (tanh), a sliding-window layer beside a global
+    # one, RMSNorm before and after each sub-layer, embeddings scaled by sqrt(width)
+    config = Gemma2Config(**_decoder_kwargs(), head_dim=8, sliding_window=8, attn_logit_softcapping=50.0,
+                          final_logit_softcapping=30.0)
+    return _causal(Gemma2ForCausalLM, config, rows)
+
+
+def build_phi3(rows: int = BATCH):
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    _quiet_transformers()
+    # one fused qkv and one fused gate_up projection, each split in the forward
+    return _causal(Phi3ForCausalLM, Phi3Config(**_decoder_kwargs(), pad_token_id=0), rows)
+
+
+def build_gpt_neox(rows: int = BATCH):
+    from transformers import GPTNeoXConfig, GPTNeoXForCausalLM
+
+    _quiet_transformers()
+    # attention and MLP in parallel off one residual; rotary on a quarter of each head
+    config = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25,
+                           use_parallel_residual=True, attention_dropout=0.0, hidden_dropout=0.0, use_cache=False)
+    return _causal(GPTNeoXForCausalLM, config, rows)
+
+
 def build_olmo_clip_qkv(rows: int = BATCH, clip_qkv: float | None = 0.5):
     from transformers import OlmoConfig, OlmoForCausalLM
 
@@ -372,6 +402,9 @@ ZOO: dict[str, RealModel] = {m.name: m for m in (
     RealModel("qwen2", build_qwen2, "decoder LM (qkv bias)"),
     RealModel("llama-grad-ckpt", lambda rows=BATCH: build_llama(rows, gradient_checkpointing=True),
               "decoder LM, HF gradient checkpointing"),
+    RealModel("gemma2", build_gemma2, "decoder LM (soft-capping, sliding window, sandwich norms)"),
+    RealModel("phi3", build_phi3, "decoder LM (fused qkv and gate_up projections)"),
+    RealModel("gpt-neox", build_gpt_neox, "decoder LM (parallel residual, partial rotary)"),
     RealModel("olmo-clip-qkv", build_olmo_clip_qkv, "decoder LM, clip_qkv",
               known_issue="in-place clamp_ on q/k/v whose results are unused"),
     RealModel("deepseek-v3-mla", build_deepseek_v3_mla, "decoder LM, MLA attention",

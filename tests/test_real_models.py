@@ -90,8 +90,8 @@ class Group(NamedTuple):
 
 
 GROUPS: dict[str, Group] = {
-    "language": Group(("gpt2", "llama", "qwen2", "llama-grad-ckpt", "olmo-clip-qkv", "deepseek-v3-mla", "bert", "t5",
-                       "qwen2-moe"), 60, 900),
+    "language": Group(("gpt2", "llama", "qwen2", "gemma2", "phi3", "gpt-neox", "llama-grad-ckpt", "olmo-clip-qkv",
+                       "deepseek-v3-mla", "bert", "t5", "qwen2-moe"), 60, 900),
     "vision": Group(("torchvision-resnet18", "timm-resnet", "torchvision-vit", "timm-vit", "conv-bn", "inplace-mul"),
                     60, 600),
     # Routing that differs between ranks may leave a rank inside a collective the other rank
