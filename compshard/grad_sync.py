@@ -37,7 +37,7 @@ import torch
 from torch import nn
 
 from compshard.eager_gather import EagerReductions, accumulate_grad
-from compshard.ops import ShardLayout, group_rank, group_size, sum_over_ranks
+from compshard.ops import ShardLayout, averaging_ranks, group_rank, sum_over_ranks
 from compshard.options import CompileOptions
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradSync", "no_sync", "reduce_accumulated_gradients", "set_requires_gradient_sync"]
@@ -179,7 +179,7 @@ def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
     rank = group_rank(spec.group_name)
     layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]
     shard_numels = [layout.padded_shard_numel for layout in layouts]
-    ranks = world_size * group_size(spec.replicate_group)
+    ranks = averaging_ranks(world_size, spec.replicate_group)
     packed = torch.ops.compshard.reduce_scatter_copy_in([item.grad for item in bucket], shard_numels, world_size,
                                                        first.grad.dtype, ranks if ranks > 1 else None)
     del first

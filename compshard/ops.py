@@ -262,12 +262,18 @@ def reduce_grad(
     replicate_group: str,
 ) -> torch.Tensor:
     layout = _shard_layout(full_shape, world_size, group_name)
-    ranks = world_size * group_size(replicate_group)
+    ranks = averaging_ranks(world_size, replicate_group)
     flat = grad.reshape(-1).to(reduce_dtype or grad.dtype)
     if ranks == 1:
         return flat.to(shard_dtype).view(layout.local_shape).clone()
     flat = sum_over_ranks(flat / ranks, layout, group_name, replicate_group)
     return flat.to(shard_dtype).view(layout.local_shape)
+
+
+def averaging_ranks(world_size: int, replicate_group: str) -> int:
+    """How many ranks a gradient is averaged over (``reduce_grad`` divides by this before
+    summing): the shard group's and the replica group's."""
+    return world_size * group_size(replicate_group)
 
 
 def sum_over_ranks(flat: torch.Tensor, layout: ShardLayout, group_name: str, replicate_group: str) -> torch.Tensor:

@@ -16,8 +16,9 @@ contiguous floating-point tensor (activations: the pipeline sends them forward a
 gradients back, each whole; the process group's sends and receives take contiguous
 buffers only, and torch's stages make the gradient's receive buffer with the value's
 strides, so a strided view crossing a cut fails at the first step). Several live values
-are allowed; each is one more send per micro-batch, which the cost below charges. Parameters, buffers and constants never cross a cut: each stage reads
-the ones its ops use, under their original names.
+are allowed; each is one more send per micro-batch, which the cost below charges.
+Parameters, buffers and constants never cross a cut: each stage reads the ones its ops
+use, under their original names.
 
 Cost of a stage: the sum of its ops' estimated seconds (``cost_model.node_seconds``:
 FLOPs from the flop counter at a FLOP rate, else bytes touched, plus a per-op overhead)

@@ -10,8 +10,8 @@ parameter's *full* gradient into the gathered tensor's ``.grad`` (in the gathere
 reduce-scatters those sums once, in buckets, and ends the step: it frees each
 trainable gathered parameter's storage as it takes its gradient, before its bucket's
 reduction allocates, whatever still references the tensor (the autograd graph of a loss
-the caller holds does; no parameter may be read after it). Leaving the block drops what is left (frozen
-parameters, and everything when the block ends without a reduction).
+the caller holds does; no parameter may be read after it). Leaving the block drops what
+is left (frozen parameters, and everything when the block ends without a reduction).
 
 Entry gathers in buckets: the parameters in registration order (the same on every rank)
 into buckets of consecutive parameters with the same shard group, gathered dtype and

@@ -23,10 +23,11 @@ from torch.distributed.tensor import DTensor
 
 import compshard
 from compshard.backend import record_compiles
-from compshard.grad_sync import reduce_accumulated_gradients
+from compshard.grad_sync import grad_sync_state, reduce_accumulated_gradients
 from compshard.models import GPT, GPTConfig
 from compshard.pipeline_stages import build_stage_module, partition_stages
 from compshard.pipeline import bubble_fraction
+from compshard.step_gather import gathered_for_step
 from tests.distributed import run_distributed
 from tests.models import make_model
 from tests.training import ADAMW, RTOL, STEPS, local_batch, relative_error, train_reference
@@ -270,9 +271,6 @@ def _released_while_a_loss_is_held(rank: int, world_size: int) -> dict:
     whose AccumulateGrad nodes reference every gathered parameter) are still held, as a
     training loop holds its loss: the bytes each gathered parameter's storage still holds
     after the reduction, and the gradients against the whole batch's eager ones."""
-    from compshard.grad_sync import grad_sync_state
-    from compshard.step_gather import gathered_for_step
-
     reference, batch = make_model("gpt")
     model = compshard.shard(copy.deepcopy(reference))
     reference(*batch).backward()
