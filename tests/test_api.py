@@ -16,6 +16,21 @@ def test_backend_is_registered_by_name():
     assert "compshard" in torch._dynamo.list_backends(exclude_tags=())
 
 
+def test_inspect_after_batch_sizes_made_the_graph_dynamic():
+    """A model trained on two batch sizes recompiles with a symbolic batch dimension
+    (Dynamo's automatic dynamic shapes); its report states sizes at their hints."""
+    model, batch = make_model("gpt")
+    compshard.shard(model)
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend="compshard")
+    for rows in (8, 4):
+        compiled(*(t[:rows] for t in batch)).backward()
+    report = compshard.inspect(model, *(t[:6] for t in batch))
+    saved = report.plans[0].recompute.saved
+    assert saved["activations"] > 0 and all(type(n) is int for n in saved.values()), saved
+    assert "activations" in str(report)
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

@@ -32,6 +32,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from compshard.compile_plan import CompilePlan, RecomputePlan
 from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op
+from compshard.sizes import size_hint
 
 __all__ = ["partition"]
 
@@ -96,5 +97,5 @@ def _saved_bytes(forward: fx.Graph, saved: list[fx.Node]) -> dict[str, int]:
             kind = "gathered params"
         else:
             kind = "activations"
-        totals[kind] += source.meta["val"].untyped_storage().nbytes()
+        totals[kind] += size_hint(source.meta["val"].untyped_storage().nbytes())  # symbolic: at its hint
     return totals
