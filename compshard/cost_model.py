@@ -36,7 +36,7 @@ from compshard.ops import resolve_group
 from compshard.sizes import nbytes, size_hint
 
 __all__ = ["Costs", "Timer", "assumed", "calibrate", "costs_for", "collective_seconds", "measure_compute",
-           "measure_costs", "median_seconds", "node_seconds", "signature"]
+           "measure_matmul", "measure_costs", "median_seconds", "node_seconds", "signature"]
 
 
 @dataclass(frozen=True)
@@ -64,8 +64,8 @@ def median_seconds(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
-def measure_compute(device: torch.device, timer: Timer = median_seconds) -> tuple[float, float]:
-    """This process's (FLOP/s of a 256x256 matmul, seconds per tiny op)."""
+def measure_matmul(device: torch.device, timer: Timer = median_seconds) -> float:
+    """This process's FLOP/s of a 256x256 matmul."""
     with torch.no_grad():
         a = torch.randn(256, 256, device=device)
 
@@ -75,10 +75,16 @@ def measure_compute(device: torch.device, timer: Timer = median_seconds) -> tupl
                 torch.cuda.synchronize()
 
         matmul()
-        t_matmul = timer(matmul, 5)
+        return 2 * 256**3 / max(timer(matmul, 5), 1e-9)
+
+
+def measure_compute(device: torch.device, timer: Timer = median_seconds) -> tuple[float, float]:
+    """This process's (FLOP/s of a 256x256 matmul, seconds per tiny op)."""
+    flops_per_second = measure_matmul(device, timer)
+    with torch.no_grad():
         one = torch.ones(8, device=device)
         t_op = timer(lambda: [torch.ops.aten.add.Tensor(one, one) for _ in range(100)], 5) / 100
-    return 2 * 256**3 / max(t_matmul, 1e-9), t_op
+    return flops_per_second, t_op
 
 
 def measure_costs(group: dist.ProcessGroup, device: torch.device, timer: Timer = median_seconds) -> Costs:

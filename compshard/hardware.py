@@ -174,7 +174,9 @@ class Measured:
     afresh, and the graph's own code runs between ops: the small benchmark GPT's graphs
     ran 1.1 to 1.6 times the sum of their ops alone), both scaled by how much faster the
     calibration's matmul runs now than it did then (the planning process may have the
-    machine to itself, training ranks share it), and ``step_tensor_seconds`` per
+    machine to itself, training ranks share it; a graph's runs by the matmul timed just
+    before and after them, as the other ranks' planning processes compile, time or idle
+    on their own and the load changes from graph to graph), and ``step_tensor_seconds`` per
     parameter tensor for what a step does outside its graphs (guards, DTensor wrapping
     of parameters and gradients, gradient accumulation, AdamW's update), timed on a
     compiled model whose graph does almost nothing."""
@@ -204,14 +206,15 @@ class Measured:
     def graph_seconds(self, gm: fx.GraphModule) -> float | None:
         """Seconds of one run of the scheduled graph ``gm`` end to end, on random tensors of
         its inputs' shapes (the median of ``GRAPH_TIMING_RUNS`` runs after an untimed one,
-        fresh inputs each), at the load measured. Its collectives must run: under the fake
-        process group they return at once. None when its values total more than
-        ``GRAPH_TIMING_BYTES`` or it fails on such values."""
+        fresh inputs each), at the load measured just before and after the runs. Its
+        collectives must run: under the fake process group they return at once. None when
+        its values total more than ``GRAPH_TIMING_BYTES`` or it fails on such values."""
         if nbytes([node.meta.get("val") for node in gm.graph.nodes]) > GRAPH_TIMING_BYTES:
             return None
         device = torch.device(self.device)
         placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
         times = []
+        flops_before = self._flops_now()
         try:
             for _ in range(GRAPH_TIMING_RUNS + 1):
                 args = [_random_like(node.meta.get("val"), device) for node in placeholders]
@@ -222,14 +225,17 @@ class Measured:
                 times.append(time.perf_counter() - start)
         except Exception:  # noqa: BLE001 - a graph random values do not suit: keep its ops' timings
             return None
-        return statistics.median(times[1:]) * self._load_factor()
+        flops_now = (flops_before + self._flops_now()) / 2
+        return statistics.median(times[1:]) * flops_now / self.costs.flops_per_second
 
     def _load_factor(self) -> float:
-        """The calibration's matmul, now against then (timed once)."""
+        """The calibration's matmul, now against then (timed once, for the ops' timings)."""
         if self not in _load_factors:
-            flops_now, _ = cost_model.measure_compute(torch.device(self.device), sustained_seconds)
-            _load_factors[self] = flops_now / self.costs.flops_per_second
+            _load_factors[self] = self._flops_now() / self.costs.flops_per_second
         return _load_factors[self]
+
+    def _flops_now(self) -> float:
+        return cost_model.measure_matmul(torch.device(self.device), sustained_seconds)
 
 
 OP_TIMING_BYTES = 256 * 2**20  # ops moving more bytes than this are estimated, not timed
