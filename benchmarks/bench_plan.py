@@ -10,11 +10,11 @@ bench_step measures it: the median step time (the largest per-rank median) and t
 per-rank peak bytes of CPU/GPU tensors of one forward and backward (bytes held at its
 start plus the largest rise of the allocator's allocations; the largest over ranks).
 Then every rank times the machine (``compshard.hardware.measure``: the cost model's
-constants sustained, the host work per parameter tensor) and plans the same model,
-batch and options with ``compshard.plan(..., world_size=<this run's>, hardware=<that>)``
-(which times the scheduled graphs' ops while the other ranks do the same, as in
-training); rank 0's plan is shown beside the measurement with the prediction's error
-((predicted - measured) / measured).
+constants sustained, the host work per parameter tensor) and rank 0 plans the same
+model, batch and options with ``compshard.plan(..., world_size=<this run's>,
+hardware=<that>)`` while the others wait (as ``hardware="measured"`` does); the plan is
+shown beside the measurement with the prediction's error ((predicted - measured) /
+measured).
 
 Rounds (--rounds R): the measurement and the plan alternate R times (each round trains
 a fresh copy, compiling again, then times the machine and plans, and its plan is
@@ -78,22 +78,25 @@ SUMMARIZED = ("predicted_step_seconds", "measured_step_seconds", "step_error", "
 
 
 def measure_and_plan(args: argparse.Namespace, reference, batch, world_size: int, device: torch.device):
-    """One round: train and measure (every rank), time the machine, plan (every rank, in a
-    subprocess each). Returns (report, measured step, measured peak, per-rank figures,
-    machine, seconds planning)."""
+    """One round: train and measure (every rank), time the machine (every rank), plan (rank
+    0, in a subprocess, while the others wait). Returns (report, None on the other ranks;
+    measured step, measured peak, per-rank figures, machine, seconds planning)."""
     results = train({"compshard": lambda model: wrap_compshard(model, **args.options)}, reference, batch,
                     steps=args.steps, warmup=args.warmup, device=device)
     result = results["compshard"]
     per_rank: list = [None] * world_size
     dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes))
     machine = compshard.hardware.measure(device, world_size)  # collective
-    # Every rank plans (in a subprocess each), so the plan times its ops while the other
-    # ranks load the machine as in training; rank 0's plan is reported.
+    # Rank 0 plans (in a subprocess) while the other ranks wait, as compshard.plan(...,
+    # hardware="measured") does: its timings are scaled to the training load by the
+    # calibration matmul, timed while every rank ran it.
     progress("planning ...")
     plan_started = time.perf_counter()
-    report = compshard.plan(reference, *batch, world_size=world_size, hardware=machine, options=args.options)
+    report = None
+    if dist.get_rank() == 0:
+        report = compshard.plan(reference, *batch, world_size=world_size, hardware=machine, options=args.options)
     plan_seconds = time.perf_counter() - plan_started
-    dist.monitored_barrier(timeout=PLAN_TIMEOUT)  # rank 0's plan may finish last
+    dist.monitored_barrier(timeout=PLAN_TIMEOUT)
     measured_step = max(statistics.median(steps) for steps, _ in per_rank)
     measured_peak = max(peak for _, peak in per_rank)
     return report, measured_step, measured_peak, per_rank, machine, plan_seconds

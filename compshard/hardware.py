@@ -175,11 +175,10 @@ class Measured:
     ran 1.1 to 1.6 times the sum of their ops alone), both scaled by how much faster the
     calibration's matmul runs now than it did then (the planning process may have the
     machine to itself, training ranks share it; a graph's runs by the matmul timed just
-    before and after them, as the other ranks' planning processes compile, time or idle
-    on their own and the load changes from graph to graph), and ``step_tensor_seconds`` per
-    parameter tensor for what a step does outside its graphs (guards, DTensor wrapping
-    of parameters and gradients, gradient accumulation, AdamW's update), timed on a
-    compiled model whose graph does almost nothing."""
+    before and after them, so a load that changes during planning is followed), and
+    ``step_tensor_seconds`` per parameter tensor for what a step does outside its graphs
+    (guards, DTensor wrapping of parameters and gradients, gradient accumulation, AdamW's
+    update), timed on a compiled model whose graph does almost nothing."""
 
     costs: Costs
     collective_backend: str  # the process group's backend ("gloo" holds scratch buffers)
@@ -287,15 +286,18 @@ SUSTAINED_CALLS = 100  # "measured" times this many times the calls calibration 
 
 
 def sustained_seconds(fn: Callable[[], object], repeats: int) -> float:
-    """Mean seconds per call over ``repeats * SUSTAINED_CALLS`` calls. On a shared machine
-    a few short timings each fit in a time slice and see the CPU at full speed; a
-    sustained run sees the share of it a training step gets. The count is fixed, so
-    ranks timing a collective issue the same calls."""
-    calls = repeats * SUSTAINED_CALLS
-    start = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    return (time.perf_counter() - start) / calls
+    """Seconds per call: the median over ``repeats`` runs of ``SUSTAINED_CALLS`` calls. On
+    a shared machine a few short timings each fit in a time slice and see the CPU at full
+    speed; a sustained run sees the share of it a training step gets, and the median
+    leaves out a run that a burst of other work slowed (as the median step the benchmarks
+    report does). The count is fixed, so ranks timing a collective issue the same calls."""
+    runs = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(SUSTAINED_CALLS):
+            fn()
+        runs.append(time.perf_counter() - start)
+    return statistics.median(runs) / SUSTAINED_CALLS
 
 
 def measure(device: torch.device, world_size: int) -> Measured:
@@ -347,7 +349,7 @@ def _step_seconds_per_tensor(device: torch.device, tensors: int = 32) -> float:
         optimizer.zero_grad(set_to_none=True)
 
     step()  # compiles
-    return sustained_seconds(step, 1) / tensors
+    return sustained_seconds(step, 3) / tensors
 
 
 def resolve(hardware: str | Hardware | Measured, device: torch.device, world_size: int) -> Hardware | Measured:

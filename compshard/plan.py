@@ -303,7 +303,12 @@ def plan(
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     machine = hardware_presets.resolve(hardware, device, world_size)
     job = _Job(meta_model, inputs, machine, world_size, group_size, optimizer_states, tokens, depth)
-    reports = _in_subprocess(_plan_all, job, setups) if dist.is_initialized() else _plan_all(job, setups)
+    if not dist.is_initialized():
+        reports = _plan_all(job, setups)
+    elif hardware == "measured":  # timed on every rank just now: they wait for rank 0's plan
+        reports = _planned_on_rank0(job, setups)
+    else:
+        reports = _in_subprocess(_plan_all, job, setups)
     report = reports[0]
     if memory_budget_gib is not None:
         report.candidates = reports[1:]
@@ -427,6 +432,24 @@ def _in_subprocess(fn: Callable, *args: Any) -> Any:
     context = torch.multiprocessing.get_context("spawn")
     with context.Pool(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
         return pool.apply(fn, args)
+
+
+def _planned_on_rank0(job: _Job, setups: list[tuple[dict, dict]]) -> list[PlanReport]:
+    """Rank 0 plans (in a subprocess) while the other ranks wait, then every rank returns
+    its reports or raises its error. Collective. With every rank planning, each planning
+    process timed its graphs while the others compiled, timed or idled in phases of their
+    own; alone, rank 0's timings are scaled to the training load by the calibration matmul
+    (timed while every rank ran it) against the same matmul timed around each graph."""
+    outcome: list[Any] = [None]
+    if dist.get_rank() == 0:
+        try:
+            outcome[0] = _in_subprocess(_plan_all, job, setups)
+        except Exception as error:  # noqa: BLE001 - raised on every rank below
+            outcome[0] = error
+    dist.broadcast_object_list(outcome, src=0)
+    if isinstance(outcome[0], Exception):
+        raise outcome[0]
+    return outcome[0]
 
 
 def _plan_all(job: _Job, setups: list[tuple[dict, dict]]) -> list[PlanReport]:

@@ -59,6 +59,42 @@ def test_predicted_peak_memory_is_within_10_percent_of_a_measured_run_at_world_s
     assert abs(report.memory.peak - measured_peak) <= 0.10 * measured_peak, (report.memory, measured_peak)
 
 
+class _DetachedOutput(torch.nn.Module):
+    """A model whose output does not require grad: planning it fails (a step needs a loss)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = torch.nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.linear(x).detach()
+
+
+def _plan_measured_on_every_rank(rank: int, world_size: int):
+    """What each rank's compshard.plan(..., hardware="measured") returned or raised."""
+    report = compshard.plan(_meta_gpt(FOUR_BLOCKS), *_local_batch(FOUR_BLOCKS, rank, world_size),
+                            world_size=world_size, hardware="measured")
+    try:
+        compshard.plan(_DetachedOutput(), torch.ones(2, 4), world_size=world_size, hardware="measured",
+                       tokens_per_rank=2)
+        error = None
+    except ValueError as raised:
+        error = str(raised)
+    return report.step.total, report.memory.peak, report.hardware, error
+
+
+def test_measured_plan_is_made_on_rank_0_and_every_rank_returns_it_or_its_error():
+    """Under a process group, ``hardware="measured"`` times the machine on every rank, then
+    rank 0 plans while the others wait: every rank returns rank 0's figures (timings taken
+    by one process differ from run to run, so equal figures mean one plan), and an error
+    in rank 0's planning is raised on every rank rather than leaving them waiting."""
+    results = run_distributed(_plan_measured_on_every_rank, 2, timeout=240)
+    assert results[0][:3] == results[1][:3], results
+    assert results[0][2] == "measured"
+    for *_, error in results:
+        assert error is not None and "does not require grad" in error, results
+
+
 # Two tokens and wide blocks: the parameters outweigh the activations, so the backward's
 # peak falls while a block's all-gather is in flight.
 GATHER_BOUND_GPT = GPTConfig(vocab_size=256, block_size=2, n_layer=2, n_head=4, n_embd=256)
@@ -107,12 +143,12 @@ def test_measured_plan_scales_each_graphs_op_timings_to_its_run_end_to_end(monke
 
 def test_a_graph_run_is_scaled_by_the_load_timed_around_it(monkeypatch):
     """Each graph's run is scaled by the matmul rate timed just before and after it, not
-    by one reading for the whole plan: at 4 ranks on 2 cores the other ranks' planning
-    processes compile, time or idle on their own, and a reading taken once had the small
-    benchmark GPT's 4-rank plan 37% under its measured step. Here the machine reads 10x
-    faster around one graph's runs than at calibration, 10x slower around the next: the
-    first run's seconds are multiplied by 10, the second's divided by 10 (timing noise
-    is far smaller than the factor of 100 asserted)."""
+    by one reading for the whole plan: with every rank planning at 4 ranks on 2 cores, the
+    other planning processes compiled, timed or idled on their own, and a reading taken
+    once had the small benchmark GPT's 4-rank plan 37% under its measured step. Here the
+    machine reads 10x faster around one graph's runs than at calibration, 10x slower
+    around the next: the first run's seconds are multiplied by 10, the second's divided
+    by 10 (timing noise is far smaller than the factor of 100 asserted)."""
     readings = iter([10.0, 10.0, 0.1, 0.1])
     monkeypatch.setattr(Measured, "_flops_now", lambda self: next(readings) * self.costs.flops_per_second)
     graph = torch.fx.symbolic_trace(lambda x: torch.relu(x @ x) @ x)
