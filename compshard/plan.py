@@ -38,7 +38,8 @@ compiled graphs.
 
 Planning runs in this process when no process group is initialized (it creates and
 destroys its own fake one, and resets Dynamo's caches afterwards); otherwise in a spawned
-subprocess, which needs the model's class importable there.
+subprocess, which needs the model's class importable there (with ``hardware="measured"``,
+on rank 0 only: every rank returns its report).
 """
 
 from __future__ import annotations
@@ -259,8 +260,9 @@ def plan(
         world_size: data-parallel ranks.
         hardware: a preset name (``compshard.hardware.PRESETS``), a
             :class:`~compshard.hardware.Hardware`, ``"measured"`` (this machine timed, on
-            the current process group: collective, call on every rank; see
-            :class:`~compshard.hardware.Measured`), or a ``Measured`` timed before.
+            the current process group: collective, call on every rank; rank 0 plans and
+            every rank returns its report; see :class:`~compshard.hardware.Measured`), or
+            a ``Measured`` timed before (planned on each rank that calls).
         options: backend options, as for ``torch.compile(..., options=...)``.
         sharding: ``compshard.shard`` keywords (``strategy``, ``param_dtype``,
             ``reduce_dtype``, ``reshard_after_forward``, ...); the mesh is built here.
