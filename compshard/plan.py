@@ -433,7 +433,13 @@ def _in_subprocess(fn: Callable, *args: Any) -> Any:
     there run with."""
     context = torch.multiprocessing.get_context("spawn")
     with context.Pool(1, initializer=torch.set_num_threads, initargs=(torch.get_num_threads(),)) as pool:
-        return pool.apply(fn, args)
+        result = pool.apply(fn, args)
+        # Let the worker exit and run its finalizers: killed by the block's terminate(),
+        # it left the semaphore of the lock tqdm creates (torch.fx's Interpreter makes a
+        # progress bar) for the resource tracker to report as leaked at exit.
+        pool.close()
+        pool.join()
+    return result
 
 
 def _planned_on_rank0(job: _Job, setups: list[tuple[dict, dict]]) -> list[PlanReport]:

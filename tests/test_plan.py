@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import pathlib
+import subprocess
 import sys
 from dataclasses import replace
 
@@ -93,6 +94,34 @@ def test_measured_plan_is_made_on_rank_0_and_every_rank_returns_it_or_its_error(
     assert results[0][2] == "measured"
     for *_, error in results:
         assert error is not None and "does not require grad" in error, results
+
+
+_PLAN_UNDER_A_PROCESS_GROUP = """
+import torch
+import torch.distributed as dist
+
+import compshard
+from compshard.models import GPT, GPTConfig
+
+if __name__ == "__main__":
+    dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
+    model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
+    tokens = torch.randint(0, 64, (2, 16))
+    compshard.plan(model, tokens, tokens, world_size=1, hardware="measured")
+    dist.destroy_process_group()
+"""
+
+
+def test_planning_in_a_subprocess_leaves_no_semaphore_behind(tmp_path):
+    """Under a process group the plan is made in a spawned worker. Killed once it had
+    answered, the worker left the semaphore of tqdm's lock (torch.fx's Interpreter
+    creates it while AOTAutograd traces) to the resource tracker, which warned of a
+    leaked semaphore when the script exited (seen with ``hardware="measured"``)."""
+    script = tmp_path / "plan_under_a_process_group.py"
+    script.write_text(_PLAN_UNDER_A_PROCESS_GROUP.format(store=tmp_path / "store"))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "leaked semaphore" not in done.stderr, done.stderr[-3000:]
 
 
 # Two tokens and wide blocks: the parameters outweigh the activations, so the backward's
