@@ -213,7 +213,7 @@ class Measured:
         device = torch.device(self.device)
         placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
         times = []
-        flops_before = self._flops_now()
+        load_before = self._load_now()
         try:
             for _ in range(GRAPH_TIMING_RUNS + 1):
                 args = [_random_like(node.meta.get("val"), device) for node in placeholders]
@@ -224,14 +224,17 @@ class Measured:
                 times.append(time.perf_counter() - start)
         except Exception:  # noqa: BLE001 - a graph random values do not suit: keep its ops' timings
             return None
-        flops_now = (flops_before + self._flops_now()) / 2
-        return statistics.median(times[1:]) * flops_now / self.costs.flops_per_second
+        return statistics.median(times[1:]) * (load_before + self._load_now()) / 2
 
     def _load_factor(self) -> float:
-        """The calibration's matmul, now against then (timed once, for the ops' timings)."""
+        """:meth:`_load_now`, timed once (for the ops' timings)."""
         if self not in _load_factors:
-            _load_factors[self] = self._flops_now() / self.costs.flops_per_second
+            _load_factors[self] = self._load_now()
         return _load_factors[self]
+
+    def _load_now(self) -> float:
+        """The calibration's matmul, now against then."""
+        return self._flops_now() / self.costs.flops_per_second
 
     def _flops_now(self) -> float:
         return cost_model.measure_matmul(torch.device(self.device), sustained_seconds)
