@@ -24,6 +24,7 @@ sustained rate: on a shared machine a few short timings see the CPU at full spee
 
 from __future__ import annotations
 
+import math
 import statistics
 import time
 from dataclasses import dataclass, field, replace
@@ -178,7 +179,10 @@ class Measured:
     before and after them, so a load that changes during planning is followed), and
     ``step_tensor_seconds`` per parameter tensor for what a step does outside its graphs
     (guards, DTensor wrapping of parameters and gradients, gradient accumulation, AdamW's
-    update), timed on a compiled model whose graph does almost nothing."""
+    update), timed on a compiled model whose graph does almost nothing; and the update's
+    data-bound part by torch's optimizer run on tensors of the shards' shapes
+    (:meth:`optimizer_seconds`: on CPU, AdamW at its defaults makes about 20 passes of a
+    parameter's size, not the one fused pass the presets assume)."""
 
     costs: Costs
     collective_backend: str  # the process group's backend ("gloo" holds scratch buffers)
@@ -226,6 +230,24 @@ class Measured:
             return None
         return statistics.median(times[1:]) * (load_before + self._load_now()) / 2
 
+    def optimizer_seconds(self, shards: Sequence[tuple[tuple[int, ...], torch.dtype]], states: int) -> float | None:
+        """Seconds of the data-bound part of one optimizer step over parameter shards of
+        these (shape, dtype), at the load measured just before and after: torch's optimizer
+        for ``states`` (:data:`TIMED_OPTIMIZERS`, at its defaults, as a user's would run:
+        on CPU one tensor at a time, in about 20 passes of a parameter's size for AdamW) on
+        random tensors of those shapes, less the same step over as many one-element
+        tensors (the per-tensor host work, which ``step_tensor_seconds`` counts already).
+        None: another ``states``, or parameters, gradients and states over
+        ``GRAPH_TIMING_BYTES``."""
+        size = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shards) * (2 + states)
+        if states not in TIMED_OPTIMIZERS or size > GRAPH_TIMING_BYTES:
+            return None
+        device = torch.device(self.device)
+        load_before = self._load_now()
+        seconds = (_optimizer_step_seconds(shards, states, device)
+                   - _optimizer_step_seconds([((1,), dtype) for _, dtype in shards], states, device))
+        return max(seconds, 0.0) * (load_before + self._load_now()) / 2
+
     def _load_factor(self) -> float:
         """:meth:`_load_now`, timed once (for the ops' timings)."""
         if self not in _load_factors:
@@ -244,6 +266,12 @@ OP_TIMING_BYTES = 256 * 2**20  # ops moving more bytes than this are estimated, 
 OP_TIMING_SECONDS = 0.005  # each op is run for at least this long
 GRAPH_TIMING_BYTES = 2**30  # graphs whose values total more than this are not run
 GRAPH_TIMING_RUNS = 3
+OPTIMIZER_TIMING_STEPS = 3  # timed after one that creates the optimizer's states
+TIMED_OPTIMIZERS: dict[int, Callable[[list[torch.nn.Parameter]], torch.optim.Optimizer]] = {
+    2: torch.optim.AdamW,
+    1: lambda params: torch.optim.SGD(params, lr=0.01, momentum=0.9),
+    0: lambda params: torch.optim.SGD(params, lr=0.01),
+}  # optimizer states per parameter -> the optimizer Measured times for them
 _op_seconds: dict[tuple, float | None] = {}
 _load_factors: dict[Measured, float] = {}
 
@@ -278,6 +306,24 @@ def _time_op(node: fx.Node, device: torch.device) -> float | None:
         node.target(*args, **kwargs)
         calls += 1
     return (time.perf_counter() - start) / calls
+
+
+def _optimizer_step_seconds(shards: Sequence[tuple[tuple[int, ...], torch.dtype]], states: int,
+                            device: torch.device) -> float:
+    """Median seconds of ``OPTIMIZER_TIMING_STEPS`` steps of ``TIMED_OPTIMIZERS[states]``
+    over random parameters and gradients of these (shape, dtype)."""
+    params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype, device=device)) for shape, dtype in shards]
+    for param in params:
+        param.grad = torch.randn_like(param)
+    optimizer = TIMED_OPTIMIZERS[states](params)
+    times = []
+    for _ in range(OPTIMIZER_TIMING_STEPS + 1):
+        _synchronize(device)
+        start = time.perf_counter()
+        optimizer.step()
+        _synchronize(device)
+        times.append(time.perf_counter() - start)
+    return statistics.median(times[1:])
 
 
 def _synchronize(device: torch.device) -> None:

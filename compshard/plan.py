@@ -15,9 +15,10 @@ parameter), deciding with the cost model's constants for the chosen hardware
 - step time: the estimated forward and backward timelines (one compute and one
   communication stream, ``compshard.timeline``), whose length is the critical path
   (compute plus the communication it waits for), plus the optimizer's bytes at memory
-  bandwidth, plus the machine's seconds per parameter tensor for the host work outside
-  the graphs (``hardware="measured"`` times it, and times the graphs' ops instead of
-  estimating them; see :class:`~compshard.hardware.Measured`).
+  bandwidth (one fused pass), plus the machine's seconds per parameter tensor for the host
+  work outside the graphs (``hardware="measured"`` times that host work, the graphs' ops
+  and torch's optimizer on rank 0's shard shapes instead of estimating them; see
+  :class:`~compshard.hardware.Measured`).
 
 Depth: compiling a deep model takes minutes (Dynamo, AOTAutograd and the partitioner
 trace every block). With ``depth="auto"`` a model whose blocks form a stack of at least
@@ -106,7 +107,7 @@ class StepEstimate:
 
     forward: float
     backward: float
-    optimizer: float  # the optimizer's bytes at memory bandwidth
+    optimizer: float  # the update's data-bound part: one fused pass at memory bandwidth, or timed ("measured")
     outside_graphs: float  # per parameter tensor: guards, DTensor wrapping, per-tensor updates
     compute: float
     communication: float  # all collectives, hidden or not
@@ -497,11 +498,11 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
         deeper, schedule = _compile(job, _truncated(job.meta_model, stack_name, deep), sharding, options, shard_size,
                                     compute_dtype)
         estimates = deeper.extended(shallower, blocks - deep)
-    params, tensors = _rank0_shard_bytes(job.meta_model, shard_size)
+    shards = _rank0_shards(job.meta_model, shard_size)
+    params, tensors = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shards), len(shards)
     peak_graph = max(estimates.peaks, key=lambda graph: sum(estimates.peaks[graph].values()))
-    costs = job.machine.group_costs(range(shard_size), compute_dtype)
-    # AdamW-like: read parameter, gradient and states; write parameter and states.
-    optimizer = (3 + 2 * job.optimizer_states) * params / costs.bytes_per_second
+    bytes_per_second = job.machine.group_costs(range(shard_size), compute_dtype).bytes_per_second
+    optimizer = _optimizer_seconds(job.machine, shards, job.optimizer_states, bytes_per_second)
     exposed = estimates.exposed_communication
     return PlanReport(
         world_size=job.world_size, hardware=job.machine.name, sharding=sharding, shard_size=shard_size,
@@ -535,11 +536,22 @@ def _parameter_dtype(model: nn.Module) -> torch.dtype:
     return max(counts, key=counts.__getitem__, default=torch.float32)
 
 
-def _rank0_shard_bytes(model: nn.Module, shard_size: int) -> tuple[int, int]:
-    """(bytes of rank 0's rows of every parameter, number of parameter tensors)."""
-    params = list({id(p): p for p in model.parameters()}.values())
-    local = [ShardLayout(tuple(p.shape), shard_size, rank=0).local_shape for p in params]
-    return sum(math.prod(shape) * p.element_size() for shape, p in zip(local, params)), len(params)
+def _rank0_shards(model: nn.Module, shard_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of rank 0's rows of every parameter."""
+    params = {id(p): p for p in model.parameters()}.values()
+    return [(tuple(ShardLayout(tuple(p.shape), shard_size, rank=0).local_shape), p.dtype) for p in params]
+
+
+def _optimizer_seconds(machine: Hardware | Measured, shards: list[tuple[tuple[int, ...], torch.dtype]], states: int,
+                       bytes_per_second: float) -> float:
+    """The optimizer step's data-bound seconds: timed by a ``Measured`` machine where it
+    can, else one fused AdamW-like pass (read parameter, gradient and states; write
+    parameter and states) at ``bytes_per_second``."""
+    timed = machine.optimizer_seconds(shards, states) if isinstance(machine, Measured) else None
+    if timed is not None:
+        return timed
+    params = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shards)
+    return (3 + 2 * states) * params / bytes_per_second
 
 
 @contextlib.contextmanager

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 import compshard
+from compshard import hardware
 from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
 from compshard.cost_model import Costs
 from compshard.hardware import Measured
@@ -187,6 +188,44 @@ def test_a_graph_run_is_scaled_by_the_load_timed_around_it(monkeypatch):
     machine = Measured(Costs(), "gloo")
     fast_load, slow_load = machine.graph_seconds(graph), machine.graph_seconds(graph)
     assert fast_load > 10 * slow_load, (fast_load, slow_load)
+
+
+def test_measured_optimizer_is_torchs_run_on_the_shards_at_the_load_around_it(monkeypatch):
+    """``Measured.optimizer_seconds`` runs torch's optimizer for the states asked on tensors
+    of the shards' shapes (AdamW's update moves more bytes than SGD's) and scales it by the
+    matmul rate timed around it, as a graph's run; states it has no optimizer for, and
+    shards over the timing limit, are left to the estimate (None)."""
+    readings = iter([1.0, 1.0, 1.0, 1.0, 10.0, 10.0])
+    monkeypatch.setattr(Measured, "_flops_now", lambda self: next(readings) * self.costs.flops_per_second)
+    shards = [((256, 256), torch.float32)] * 8
+    machine = Measured(Costs(), "gloo")
+    adamw, sgd, adamw_at_tenfold_load = (machine.optimizer_seconds(shards, 2), machine.optimizer_seconds(shards, 0),
+                                         machine.optimizer_seconds(shards, 2))
+    assert 0 < sgd < adamw, (sgd, adamw)
+    assert adamw_at_tenfold_load > 3 * adamw, (adamw_at_tenfold_load, adamw)
+    assert machine.optimizer_seconds(shards, 3) is None
+    monkeypatch.setattr(hardware, "GRAPH_TIMING_BYTES", 2**20)
+    assert machine.optimizer_seconds(shards, 2) is None
+
+
+def test_measured_plan_prices_the_optimizer_on_rank0s_shards(monkeypatch):
+    """With a ``Measured`` machine the plan's optimizer seconds are its timing of torch's
+    optimizer on rank 0's shard shapes (on CPU AdamW's defaults make about 20 passes of a
+    parameter's size, where the presets price one fused pass)."""
+    timed = []
+
+    def recorded(self, shards, states):
+        timed.append((shards, states))
+        return 0.25
+
+    monkeypatch.setattr(Measured, "optimizer_seconds", recorded)
+    cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32)
+    model = _meta_gpt(cfg)
+    report = compshard.plan(model, *_local_batch(cfg, 0, 2), world_size=2, hardware=Measured(Costs(), "gloo"),
+                            optimizer_states=1)
+    assert report.step.optimizer == 0.25
+    assert timed == [([((math.ceil(p.shape[0] / 2), *p.shape[1:]) if p.dim() else (), p.dtype)
+                       for p in model.parameters()], 1)]
 
 
 def _rank0_shard_bytes(model: torch.nn.Module, shard_size: int) -> int:
