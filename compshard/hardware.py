@@ -216,19 +216,18 @@ class Measured:
             return None
         device = torch.device(self.device)
         placeholders = [node for node in gm.graph.nodes if node.op == "placeholder"]
-        times = []
-        load_before = self._load_now()
-        try:
-            for _ in range(GRAPH_TIMING_RUNS + 1):
-                args = [_random_like(node.meta.get("val"), device) for node in placeholders]
-                _synchronize(device)
-                start = time.perf_counter()
-                gm(args) if gm._boxed_call else gm(*args)
-                _synchronize(device)
-                times.append(time.perf_counter() - start)
-        except Exception:  # noqa: BLE001 - a graph random values do not suit: keep its ops' timings
-            return None
-        return statistics.median(times[1:]) * (load_before + self._load_now()) / 2
+
+        def median_run() -> float | None:
+            times = []
+            try:
+                for _ in range(GRAPH_TIMING_RUNS + 1):
+                    args = [_random_like(node.meta.get("val"), device) for node in placeholders]
+                    times.append(_synchronized_seconds(lambda: gm(args) if gm._boxed_call else gm(*args), device))
+            except Exception:  # noqa: BLE001 - a graph random values do not suit: keep its ops' timings
+                return None
+            return statistics.median(times[1:])
+
+        return self._at_load(median_run)
 
     def optimizer_seconds(self, shards: Sequence[tuple[tuple[int, ...], torch.dtype]], states: int) -> float | None:
         """Seconds of the data-bound part of one optimizer step over parameter shards of
@@ -243,10 +242,16 @@ class Measured:
         if states not in TIMED_OPTIMIZERS or size > GRAPH_TIMING_BYTES:
             return None
         device = torch.device(self.device)
+        return self._at_load(lambda: max(
+            _optimizer_step_seconds(shards, states, device)
+            - _optimizer_step_seconds([((1,), dtype) for _, dtype in shards], states, device), 0.0))
+
+    def _at_load(self, timed: Callable[[], float | None]) -> float | None:
+        """``timed()``'s seconds scaled to the training load: by the calibration matmul
+        timed just before and just after it, against then (None stays None)."""
         load_before = self._load_now()
-        seconds = (_optimizer_step_seconds(shards, states, device)
-                   - _optimizer_step_seconds([((1,), dtype) for _, dtype in shards], states, device))
-        return max(seconds, 0.0) * (load_before + self._load_now()) / 2
+        seconds = timed()
+        return None if seconds is None else seconds * (load_before + self._load_now()) / 2
 
     def _load_factor(self) -> float:
         """:meth:`_load_now`, timed once (for the ops' timings)."""
@@ -316,14 +321,17 @@ def _optimizer_step_seconds(shards: Sequence[tuple[tuple[int, ...], torch.dtype]
     for param in params:
         param.grad = torch.randn_like(param)
     optimizer = TIMED_OPTIMIZERS[states](params)
-    times = []
-    for _ in range(OPTIMIZER_TIMING_STEPS + 1):
-        _synchronize(device)
-        start = time.perf_counter()
-        optimizer.step()
-        _synchronize(device)
-        times.append(time.perf_counter() - start)
+    times = [_synchronized_seconds(optimizer.step, device) for _ in range(OPTIMIZER_TIMING_STEPS + 1)]
     return statistics.median(times[1:])
+
+
+def _synchronized_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    """Seconds of one call of ``fn``, the device's queue drained before and after."""
+    _synchronize(device)
+    start = time.perf_counter()
+    fn()
+    _synchronize(device)
+    return time.perf_counter() - start
 
 
 def _synchronize(device: torch.device) -> None:

@@ -502,7 +502,7 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
     params, tensors = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shards), len(shards)
     peak_graph = max(estimates.peaks, key=lambda graph: sum(estimates.peaks[graph].values()))
     bytes_per_second = job.machine.group_costs(range(shard_size), compute_dtype).bytes_per_second
-    optimizer = _optimizer_seconds(job.machine, shards, job.optimizer_states, bytes_per_second)
+    optimizer = _optimizer_seconds(job.machine, shards, params, job.optimizer_states, bytes_per_second)
     exposed = estimates.exposed_communication
     return PlanReport(
         world_size=job.world_size, hardware=job.machine.name, sharding=sharding, shard_size=shard_size,
@@ -542,15 +542,14 @@ def _rank0_shards(model: nn.Module, shard_size: int) -> list[tuple[tuple[int, ..
     return [(tuple(ShardLayout(tuple(p.shape), shard_size, rank=0).local_shape), p.dtype) for p in params]
 
 
-def _optimizer_seconds(machine: Hardware | Measured, shards: list[tuple[tuple[int, ...], torch.dtype]], states: int,
-                       bytes_per_second: float) -> float:
-    """The optimizer step's data-bound seconds: timed by a ``Measured`` machine where it
-    can, else one fused AdamW-like pass (read parameter, gradient and states; write
-    parameter and states) at ``bytes_per_second``."""
+def _optimizer_seconds(machine: Hardware | Measured, shards: list[tuple[tuple[int, ...], torch.dtype]],
+                       params: int, states: int, bytes_per_second: float) -> float:
+    """The optimizer step's data-bound seconds over ``shards`` (``params`` bytes): timed by
+    a ``Measured`` machine where it can, else one fused AdamW-like pass (read parameter,
+    gradient and states; write parameter and states) at ``bytes_per_second``."""
     timed = machine.optimizer_seconds(shards, states) if isinstance(machine, Measured) else None
     if timed is not None:
         return timed
-    params = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shards)
     return (3 + 2 * states) * params / bytes_per_second
 
 
