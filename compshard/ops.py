@@ -14,6 +14,10 @@
     (all-reduces a replicated one), then all-reduces the result across the replica group
     when there is one (hybrid sharding, or no sharding), divided by the number of ranks
     first, then summed: the average over all data-parallel ranks, as DDP does.
+``compshard::broadcast_rows_(buffer)``
+    Starts an all-gather in place on gloo (see :func:`all_gathers_by_broadcast`): every
+    rank broadcasts its row of the rank-major ``buffer`` (its own row filled). Returns
+    ``buffer``; ``_c10d_functional.wait_tensor`` on it waits for every row.
 ``compshard::free(buffer)``
     Releases a gathered buffer's storage. Only the backend inserts it, after the last use
     of every alias of the buffer.
@@ -151,6 +155,44 @@ def reduce_scatters_by_exchange(group_name: str, device: torch.device) -> bool:
     return backend_name(group_name, device) == "gloo"
 
 
+def all_gathers_by_broadcast(group_name: str, device: torch.device) -> bool:
+    """Whether an all-gather on this group runs as ``world_size`` broadcasts, each rank's
+    row of the rank-major output sent in place (``compshard::broadcast_rows_``). gloo
+    (torch 2.11 to 2.13) receives an all-gather into two temporaries of its output's size
+    and then copies them into the output; broadcasts into the output's rows allocate
+    nothing and copy nothing (the same bytes either way). Measured on 2 CPU cores, 2 and
+    4 ranks, output and copy-in included: 0.5 to 0.95x the all-gather's time from 3 MiB
+    up, within noise at 1 MiB. The gathered bits are the same."""
+    return backend_name(group_name, device) == "gloo"
+
+
+torch.library.define("compshard::broadcast_rows_", "(Tensor(a!) buffer, int world_size, str group_name) -> Tensor(a!)")
+
+
+@torch.library.impl("compshard::broadcast_rows_", "CompositeExplicitAutograd")
+def _broadcast_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    rows = buffer.view(world_size, -1)
+    for src in range(world_size):  # each registers its work on buffer's storage, where wait_tensor finds it
+        _c10d.broadcast_(rows[src], src, group_name)
+    return buffer
+
+
+@torch.library.register_fake("compshard::broadcast_rows_")
+def _(buffer, world_size, group_name):
+    return buffer
+
+
+def all_gather_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """``buffer`` (``world_size`` equal rows, this rank's filled) with every rank's row,
+    waited: in place, as the compiled graphs gather (by broadcast on gloo, see
+    :func:`all_gathers_by_broadcast`; else ``all_gather_into_tensor_out``)."""
+    if all_gathers_by_broadcast(group_name, buffer.device):
+        return _c10d.wait_tensor(torch.ops.compshard.broadcast_rows_(buffer, world_size, group_name))
+    rank, slot = group_rank(group_name), buffer.numel() // world_size
+    return _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(buffer[rank * slot:(rank + 1) * slot], world_size,
+                                                              group_name, out=buffer))
+
+
 class UnshardArgs(NamedTuple):
     """``compshard::unshard``'s arguments by name (passes read them with
     ``compshard.passes.fx_utils.unshard_args``)."""
@@ -211,9 +253,9 @@ def unshard(
     flat = shard.reshape(-1).to(param_dtype or shard.dtype)
     if layout.replicated or world_size == 1:
         return flat.clone().view(full_shape)
-    gathered = _c10d.wait_tensor(_c10d.all_gather_into_tensor(_padded(flat, layout.padded_shard_numel), world_size,
-                                                              group_name))
-    return gathered[: layout.numel].view(full_shape).clone()
+    buffer = flat.new_empty(world_size * layout.padded_shard_numel)
+    buffer.view(world_size, -1)[layout.rank].copy_(_padded(flat, layout.padded_shard_numel))
+    return all_gather_rows(buffer, world_size, group_name)[: layout.numel].view(full_shape).clone()
 
 
 @unshard.register_fake

@@ -47,11 +47,9 @@ import torch
 from torch import nn
 
 from compshard.grad_sync import DEFAULT_BUCKET_BYTES, grad_sync_state
-from compshard.ops import ShardLayout, group_rank
+from compshard.ops import ShardLayout, all_gather_rows, group_rank
 
 __all__ = ["gathered_for_step"]
-
-_c10d = torch.ops._c10d_functional
 
 
 class _Shard(NamedTuple):
@@ -134,11 +132,9 @@ def _all_gather(bucket: list[_Shard]) -> list[torch.Tensor]:
     rank = group_rank(group_name)
     layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]
     shard_numels = [layout.padded_shard_numel for layout in layouts]
-    slot = sum(shard_numels)
     buffer = torch.ops.compshard.all_gather_copy_in([item.rows for item in bucket], shard_numels, first.dtype,
                                                     world_size, rank)
-    buffer = _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(buffer[rank * slot:(rank + 1) * slot], world_size,
-                                                                group_name, out=buffer))
+    buffer = all_gather_rows(buffer, world_size, group_name)
     flats = torch.ops.compshard.all_gather_copy_out(buffer, shard_numels, [layout.numel for layout in layouts],
                                                     world_size, [1] * len(bucket))
     return [flat.view(item.spec.full_shape) for flat, item in zip(flats, bucket)]

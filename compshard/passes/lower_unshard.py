@@ -7,8 +7,9 @@ After, for the parameters of each bucket present in this graph (a backward graph
 re-gathers only those it needs), one all-gather per collective of the coalescing, at the
 first member's place: a ``pack`` node
 (``compshard::all_gather_copy_in``: the gather's output buffer with this rank's slot
-holding its shards flattened, cast, zero-padded and concatenated), the view of that slot,
-and the in-place ``all_gather_into_tensor_out`` start; just before the first use of any
+holding its shards flattened, cast, zero-padded and concatenated) and the in-place start
+(the view of that slot and ``all_gather_into_tensor_out``; on gloo
+``compshard::broadcast_rows_``, see ``ops.all_gathers_by_broadcast``); just before the first use of any
 member: the ``wait_tensor`` and ``unpack`` nodes (``compshard::all_gather_copy_out`` into
 one flat tensor per bucket holding its parameters back to back, then a slice and view per
 parameter). The gathered buffer and each bucket's unpacked tensor carry
@@ -27,7 +28,7 @@ import operator
 from torch import fx
 
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta
-from compshard.ops import ShardLayout, resolve_group
+from compshard.ops import ShardLayout, all_gathers_by_broadcast, resolve_group
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     FakeValues, aten, c10d, collective_members, compshard_ops, emit, first_use, hoist_before, is_op, prims,
@@ -79,9 +80,13 @@ def _lower_gather(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]], la
         buffer = add(compshard_ops.all_gather_copy_in.default,
                      ([a.shard for a in member_args], shard_numels, dtype, world_size, rank),
                      meta("pack", names, gathered_bytes))
-        packed = add(aten.slice.Tensor, (buffer, 0, rank * slot, (rank + 1) * slot), meta("pack", names, 0))
-        start = add(c10d.all_gather_into_tensor_out.default, (packed, world_size, group_name),
-                    meta("all_gather", names, gathered_bytes), {"out": buffer})
+        if all_gathers_by_broadcast(group_name, members[0].meta["val"].device):
+            start = add(compshard_ops.broadcast_rows_.default, (buffer, world_size, group_name),
+                        meta("all_gather", names, gathered_bytes))
+        else:
+            packed = add(aten.slice.Tensor, (buffer, 0, rank * slot, (rank + 1) * slot), meta("pack", names, 0))
+            start = add(c10d.all_gather_into_tensor_out.default, (packed, world_size, group_name),
+                        meta("all_gather", names, gathered_bytes), {"out": buffer})
     with graph.inserting_before(first_use(graph, members)):
         buffer = add(c10d.wait_tensor.default, (start,), meta("wait", names, gathered_bytes, gathered=True))
         numels = [layout.numel for layout in layouts]
