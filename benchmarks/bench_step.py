@@ -27,7 +27,7 @@ parameters + gradients + optimizer state per rank, the final loss, and:
   ranks. Where the collectives come from:
     compshard: compshard.inspect on a freshly sharded copy (its report's all-gathers,
       reduce-scatters and all-reduces; on gloo its reduce-scatters are all-to-alls and a
-      local sum, replayed as such).
+      local sum, and its all-gathers one broadcast per rank, replayed as such).
     FSDP2 (eager and compiled alike): from the fully_shard units of a freshly wrapped
       copy: one all-gather per unit in forward, one more in backward for every unit
       resharded after forward (all but the root), one reduce-scatter per unit; sizes are
@@ -125,6 +125,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import compshard  # noqa: E402
+from compshard.ops import all_gather_rows  # noqa: E402
 from harness import (  # noqa: E402
     COMPSHARD_SYSTEMS, SYSTEMS, Result, mib, progress, train, start_workload,
     wrap_fsdp2, write_results,
@@ -145,7 +146,9 @@ class Collective:
 
     kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
     nbytes: int
-    exchange: bool = False  # a reduce-scatter run as an all-to-all and a local sum (compshard on gloo)
+    # compshard on gloo: "all_to_all_single", a reduce-scatter run as an all-to-all and a
+    # local sum; "broadcast_rows_", an all-gather run as one broadcast per rank. "": torch's.
+    op: str = ""
 
 
 # ------------------------------------------------------------- collectives per system
@@ -156,7 +159,7 @@ def compshard_collectives(reference: nn.Module, batch: tuple[torch.Tensor, ...],
     model = compshard.shard(copy.deepcopy(reference).to(batch[0].device))
     report = compshard.inspect(model, *batch, options=options)
     torch._dynamo.reset()
-    return [Collective(c["kind"], c["bytes"], c["op"] == "all_to_all_single")
+    return [Collective(c["kind"], c["bytes"], c["op"] if c["op"] in ("all_to_all_single", "broadcast_rows_") else "")
             for c in report.collectives if c["kind"] != "free"]
 
 
@@ -214,13 +217,16 @@ def replay_seconds(collectives: list[Collective], device: torch.device, repeats:
     numels = [math.ceil(c.nbytes / element / world_size) * world_size for c in collectives]
     full = torch.zeros(max(numels, default=0), dtype=REPLAY_DTYPE, device=device)
     shard = torch.zeros(full.numel() // world_size, dtype=REPLAY_DTYPE, device=device)
-    received = torch.zeros_like(full) if any(c.exchange for c in collectives) else None
+    received = torch.zeros_like(full) if any(c.op == "all_to_all_single" for c in collectives) else None
+    group_name = dist.group.WORLD.group_name
 
     def replay() -> None:
         for collective, numel in zip(collectives, numels):
-            if collective.kind == "all_gather":
+            if collective.op == "broadcast_rows_":
+                all_gather_rows(full[:numel], world_size, group_name)
+            elif collective.kind == "all_gather":
                 ALL_GATHER(full[:numel], shard[: numel // world_size])
-            elif collective.exchange:
+            elif collective.op == "all_to_all_single":
                 dist.all_to_all_single(received[:numel], full[:numel])
                 torch.sum(received[:numel].view(world_size, -1), 0, out=shard[: numel // world_size])
             elif collective.kind == "reduce_scatter":
