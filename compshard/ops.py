@@ -343,7 +343,17 @@ def reduce_scatter_sum(buffer: torch.Tensor, world_size: int, group_name: str) -
         return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer, "sum", world_size, group_name))
     rows = [buffer.numel() // world_size] * world_size
     received = _c10d.wait_tensor(_c10d.all_to_all_single(buffer, rows, rows, group_name))
-    return received.view(world_size, -1).sum(0)
+    return sum_rows(received.view(world_size, -1))
+
+
+def sum_rows(rows: torch.Tensor) -> torch.Tensor:
+    """The sum over dim 0 of ``rows`` (the rows an exchange received, in rank order), as
+    the compiled backward computes it (``lower_reduce_grad``). Two rows: one ``add``, which
+    on CPU took a third of the time of ``sum(0)`` (1.75 against 5.4 ms on 2 x 3.4M fp32;
+    ``sum(0)`` was the faster at 3 and more rows). The values are the same; only the sign
+    of a zero can differ (``-0.0 + -0.0`` is ``-0.0``, as a reduce-scatter gives, where
+    ``sum(0)`` gives ``+0.0``)."""
+    return torch.add(rows[0], rows[1]) if rows.shape[0] == 2 else rows.sum(0)
 
 
 @reduce_grad.register_fake

@@ -15,7 +15,8 @@ Numerics, precisely:
 
 Speed on CPU, where these run in training: packing is one ``torch.cat`` into the
 buffer (its CPU kernel copies input after input without a dispatch per tensor, and it
-casts as ``Tensor.to`` does); unpacking is one ``torch._foreach_*`` call over views from
+casts as ``Tensor.to`` does), or, for a reduce-scatter that divides and does not cast,
+one ``torch.div`` per gradient into its columns (the division in the same pass); unpacking is one ``torch._foreach_*`` call over views from
 one ``split`` (C++ loops, no Python per parameter), and only a parameter whose elements
 do not fill its ``world_size`` padded rows (a partial last row) takes Python steps of
 its own.
@@ -109,15 +110,23 @@ def reduce_scatter_copy_in_reference(
 ) -> torch.Tensor:
     """Rank-major ``world_size * S`` buffer; segment (r, i) = grads[i].flat[r*L[i] : (r+1)*L[i]].
     Gradient i is the ``(world_size, L[i])`` block of columns ``off[i]..`` (a gradient short
-    of its rows zero-padded first, into a temporary), all blocks packed and cast by one
-    ``torch.cat`` along the columns, then one in-place division of the whole buffer (the
-    zero padding stays +0.0, since ``divide_by > 0``)."""
+    of its rows zero-padded first, into a temporary). With a division and no cast, each
+    block is divided straight into its columns (one ``torch.div(..., out=)`` per gradient:
+    one pass over the buffer; on CPU 2.2 against 3.5 ms for a 27 MiB bucket of 12
+    gradients, 0.60 against 0.53 ms for 3.3 MiB in 52); otherwise all blocks are packed
+    and cast by one ``torch.cat`` along the columns, then the whole buffer is divided in
+    place. Either way each element is ``x.to(dtype) / divide_by`` (the zero padding stays
+    +0.0, since ``divide_by > 0``)."""
     layout = _layout(tuple(shard_numels))
     device = grads[0].device if len(grads) else None
     buffer = torch.empty(world_size, layout.total, dtype=dtype, device=device)
     blocks = [torch.cat(_padded([grad.reshape(-1)], [world_size * length])).view(world_size, length)
               if grad.numel() < world_size * length else grad.view(world_size, length)
               for grad, length in zip(grads, shard_numels)]
+    if divide_by is not None and all(block.dtype == dtype for block in blocks):
+        for block, columns in zip(blocks, buffer.split(list(shard_numels), dim=1)):
+            torch.div(block, float(divide_by), out=columns)
+        return buffer.view(-1)
     if blocks:
         torch.cat(blocks, dim=1, out=buffer)
     if divide_by is not None:

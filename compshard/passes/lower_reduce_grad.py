@@ -144,11 +144,17 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
         reduced = add(c10d.wait_tensor.default, (start,),
                       meta("wait", names, nbytes, label if world_size > 1 else reduced_label))
         waited = [reduced]  # the wait and the nodes that finish the reduction
-        if exchange:  # this rank's rows from every rank, summed in rank order
+        if exchange:  # this rank's rows from every rank, summed in rank order (as ops.sum_rows)
             rows_view = add(aten.view.default, (reduced, [world_size, sum(shard_numels)]),
                             meta("unpack", names, 0))
-            reduced = add(aten.sum.dim_IntList, (rows_view, [0]), meta("unpack", names, shard_bytes))
-            waited += [rows_view, reduced]
+            waited.append(rows_view)
+            if world_size == 2:
+                rows = [add(aten.select.int, (rows_view, 0, row), meta("unpack", names, 0)) for row in (0, 1)]
+                reduced = add(aten.add.Tensor, tuple(rows), meta("unpack", names, shard_bytes))
+                waited += [*rows, reduced]
+            else:
+                reduced = add(aten.sum.dim_IntList, (rows_view, [0]), meta("unpack", names, shard_bytes))
+                waited.append(reduced)
         handoff = None
         if world_size > 1 and replicas > 1:
             across = add(c10d.all_reduce.default, (reduced, "sum", replicate_group),
