@@ -349,6 +349,17 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         ops.reduce_scatter_sum(buffer, world_size, group),
         torch.ops._c10d_functional.wait_tensor(
             torch.ops._c10d_functional.reduce_scatter_tensor(buffer, "sum", world_size, group)))
+    received = torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_to_all_single(buffer, [1000] * world_size, [1000] * world_size, group))
+    shard_numels, local_numels = [300, 500, 200], [300, 450, 200]  # three parameters, one short of its rows
+    summed = ops.reduce_scatter_sum(buffer, world_size, group)
+    results["unpack_sums_exchanged_rows"] = all(
+        torch.equal(unpacked, expected)
+        for dtype in (torch.float32, torch.bfloat16)
+        for unpacked, expected in zip(
+            torch.ops.compshard.reduce_scatter_copy_out(received.view(world_size, -1), shard_numels, local_numels,
+                                                         dtype),
+            torch.ops.compshard.reduce_scatter_copy_out(summed, shard_numels, local_numels, dtype)))
     results["peak_bytes"] = {"auto": report.peak_bytes}
     auto, measured = _compiled(model, local)
     results["forward_peak"] = {"auto": (auto.peak_bytes["forward"], measured)}
@@ -506,10 +517,12 @@ def test_all_gathers_on_gloo_are_broadcasts_into_the_rows(schedule_results):
 def test_reduce_scatters_on_gloo_are_exchanges_summed_locally(schedule_results):
     """gloo runs a reduce-scatter as an all-reduce (twice the bytes); compshard's compiled
     backward and eager reduce_grad exchange rows with an all-to-all and sum them, with
-    the same bits at two ranks."""
+    the same bits at two ranks. The compiled unpack sums the received rows parameter by
+    parameter as it unpacks them (and casts): the same bits as eager's sum unpacked."""
     for result in schedule_results:
         assert result["reduce_ops"] == ["all_to_all_single"], result["reduce_ops"]
         assert result["exchange_equals_reduce_scatter"]
+        assert result["unpack_sums_exchanged_rows"]
 
 
 def test_inference_graph_gathers_and_frees_every_bucket(schedule_results):

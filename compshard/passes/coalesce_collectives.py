@@ -169,7 +169,7 @@ class PeakModel:
             buffer = nbytes(pack.meta["val"])
             scratch = backend_scratch_bytes(start)
             unpacked = [(nbytes(user.meta["val"]), events.release_index(user)) for user in unpack.users]
-            sums = [node for node in part["nodes"] if is_op(node, aten.sum.dim_IntList, aten.add.Tensor)]  # an exchange's
+            sums = [node for node in part["nodes"] if is_op(node, aten.sum.dim_IntList)]  # an exchange's
             reduced = order[sums[0]] if sums else order[unpack]
             summed = nbytes(sums[0].meta["val"]) if sums else 0
             if part["kind"] == "all_gather":

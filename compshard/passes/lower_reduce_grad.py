@@ -6,8 +6,9 @@ After, per collective of the coalescing, as soon as the last of its gradients ex
 (just before the latest member's marker): a ``pack`` node
 (``compshard::reduce_scatter_copy_in``: flatten, cast to the reduce dtype, divide by the
 world size, zero-pad into the rank-major buffer) and the ``reduce_scatter_tensor`` start
-(sum; on gloo an all-to-all of the buffer, whose received rows the unpack sums first:
-see ``ops.reduce_scatters_by_exchange``); just before the first use of any member's
+(sum; on gloo an all-to-all of the buffer, whose received rows the unpack sums as it
+unpacks, or a sum node first where an all-reduce across replicas follows: see
+``ops.reduce_scatters_by_exchange`` and ``ops.sum_rows``); just before the first use of any member's
 result that computes with it (for gradients that only leave the graph, through views
 or not: the end of the graph; the deferral pass may pull it earlier to bound the bytes
 in flight): the ``wait_tensor`` and ``unpack`` nodes
@@ -144,16 +145,18 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
         reduced = add(c10d.wait_tensor.default, (start,),
                       meta("wait", names, nbytes, label if world_size > 1 else reduced_label))
         waited = [reduced]  # the wait and the nodes that finish the reduction
-        if exchange:  # this rank's rows from every rank, summed in rank order (as ops.sum_rows)
+        if exchange:  # this rank's rows from every rank, summed in rank order: by the unpack itself
             rows_view = add(aten.view.default, (reduced, [world_size, sum(shard_numels)]),
                             meta("unpack", names, 0))
             waited.append(rows_view)
-            if world_size == 2:
-                rows = [add(aten.select.int, (rows_view, 0, row), meta("unpack", names, 0)) for row in (0, 1)]
-                reduced = add(aten.add.Tensor, tuple(rows), meta("unpack", names, shard_bytes))
-                waited += [*rows, reduced]
-            else:
-                reduced = add(aten.sum.dim_IntList, (rows_view, [0]), meta("unpack", names, shard_bytes))
+            reduced = rows_view
+            if replicas > 1:  # the all-reduce across replicas takes the sum (ops.sum_rows' arithmetic)
+                if world_size == 2:
+                    rows = [add(aten.select.int, (rows_view, 0, row), meta("unpack", names, 0)) for row in (0, 1)]
+                    reduced = add(aten.add.Tensor, tuple(rows), meta("unpack", names, shard_bytes))
+                    waited += rows
+                else:
+                    reduced = add(aten.sum.dim_IntList, (rows_view, [0]), meta("unpack", names, shard_bytes))
                 waited.append(reduced)
         handoff = None
         if world_size > 1 and replicas > 1:
