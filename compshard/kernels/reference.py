@@ -16,10 +16,10 @@ Numerics, precisely:
 Speed on CPU, where these run in training: packing is one ``torch.cat`` into the
 buffer (its CPU kernel copies input after input without a dispatch per tensor, and it
 casts as ``Tensor.to`` does), or, for a reduce-scatter that divides and does not cast,
-one ``torch.div`` per gradient into its columns (the division in the same pass); unpacking is one ``torch._foreach_*`` call over views from
-one ``split`` (C++ loops, no Python per parameter), and only a parameter whose elements
-do not fill its ``world_size`` padded rows (a partial last row) takes Python steps of
-its own.
+one ``torch.div`` per gradient into its columns (the division in the same pass);
+unpacking is one ``torch._foreach_*`` call over views from one ``split`` (C++ loops, no
+Python per parameter), and only a parameter whose elements do not fill its
+``world_size`` padded rows (a partial last row) takes Python steps of its own.
 """
 
 from __future__ import annotations
