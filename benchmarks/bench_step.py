@@ -27,7 +27,7 @@ parameters + gradients + optimizer state per rank, the final loss, and:
   ranks. Where the collectives come from:
     compshard: compshard.inspect on a freshly sharded copy (its report's all-gathers,
       reduce-scatters and all-reduces; on gloo its reduce-scatters are all-to-alls and a
-      local sum, and its all-gathers one broadcast per rank, replayed as such).
+      local sum, and its all-gathers sends and receives of the rows, replayed as such).
     FSDP2 (eager and compiled alike): from the fully_shard units of a freshly wrapped
       copy: one all-gather per unit in forward, one more in backward for every unit
       resharded after forward (all but the root), one reduce-scatter per unit; sizes are
@@ -125,7 +125,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import compshard  # noqa: E402
-from compshard.ops import all_gather_rows  # noqa: E402
+from compshard.ops import all_gather_rows, sum_rows  # noqa: E402
 from harness import (  # noqa: E402
     COMPSHARD_SYSTEMS, SYSTEMS, Result, mib, progress, train, start_workload,
     wrap_fsdp2, write_results,
@@ -147,7 +147,7 @@ class Collective:
     kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
     nbytes: int
     # compshard on gloo: "all_to_all_single", a reduce-scatter run as an all-to-all and a
-    # local sum; "broadcast_rows_", an all-gather run as one broadcast per rank. "": torch's.
+    # local sum; "gather_rows_", an all-gather run as sends and receives of the rows. "": torch's.
     op: str = ""
 
 
@@ -159,7 +159,7 @@ def compshard_collectives(reference: nn.Module, batch: tuple[torch.Tensor, ...],
     model = compshard.shard(copy.deepcopy(reference).to(batch[0].device))
     report = compshard.inspect(model, *batch, options=options)
     torch._dynamo.reset()
-    return [Collective(c["kind"], c["bytes"], c["op"] if c["op"] in ("all_to_all_single", "broadcast_rows_") else "")
+    return [Collective(c["kind"], c["bytes"], c["op"] if c["op"] in ("all_to_all_single", "gather_rows_") else "")
             for c in report.collectives if c["kind"] != "free"]
 
 
@@ -222,13 +222,13 @@ def replay_seconds(collectives: list[Collective], device: torch.device, repeats:
 
     def replay() -> None:
         for collective, numel in zip(collectives, numels):
-            if collective.op == "broadcast_rows_":
+            if collective.op == "gather_rows_":
                 all_gather_rows(full[:numel], world_size, group_name)
             elif collective.kind == "all_gather":
                 ALL_GATHER(full[:numel], shard[: numel // world_size])
             elif collective.op == "all_to_all_single":
                 dist.all_to_all_single(received[:numel], full[:numel])
-                torch.sum(received[:numel].view(world_size, -1), 0, out=shard[: numel // world_size])
+                sum_rows(received[:numel].view(world_size, -1), out=shard[: numel // world_size])
             elif collective.kind == "reduce_scatter":
                 REDUCE_SCATTER(shard[: numel // world_size], full[:numel])
             elif collective.kind == "all_reduce":

@@ -14,10 +14,11 @@
     (all-reduces a replicated one), then all-reduces the result across the replica group
     when there is one (hybrid sharding, or no sharding), divided by the number of ranks
     first, then summed: the average over all data-parallel ranks, as DDP does.
-``compshard::broadcast_rows_(buffer)``
-    Starts an all-gather in place on gloo (see :func:`all_gathers_by_broadcast`): every
-    rank broadcasts its row of the rank-major ``buffer`` (its own row filled). Returns
-    ``buffer``; ``_c10d_functional.wait_tensor`` on it waits for every row.
+``compshard::gather_rows_(buffer)``
+    Starts an all-gather in place on gloo (see :func:`all_gathers_by_send_recv`): every
+    rank sends its row of the rank-major ``buffer`` (its own row filled) to every other
+    rank and receives theirs. Returns ``buffer``; ``_c10d_functional.wait_tensor`` on it
+    waits for every send and receive.
 ``compshard::free(buffer)``
     Releases a gathered buffer's storage. Only the backend inserts it, after the last use
     of every alias of the buffer.
@@ -155,41 +156,55 @@ def reduce_scatters_by_exchange(group_name: str, device: torch.device) -> bool:
     return backend_name(group_name, device) == "gloo"
 
 
-def all_gathers_by_broadcast(group_name: str, device: torch.device) -> bool:
-    """Whether an all-gather on this group runs as ``world_size`` broadcasts, each rank's
-    row of the rank-major output sent in place (``compshard::broadcast_rows_``). gloo
-    (torch 2.11 to 2.13) receives an all-gather into two temporaries of its output's size
-    and then copies them into the output; broadcasts into the output's rows allocate
-    nothing and copy nothing (the same bytes either way). Measured on 2 CPU cores, 2 and
-    4 ranks, a fresh output and the copy-in included: from 3.4 to 47 MiB gathered, 0.58
-    to 0.91x the all-gather's time in 9 of 10 cases (1.14x in one, 13.5 MiB at 2 ranks);
-    at 1 KB 1.4x (0.32 against 0.23 ms), at 64 KB to 1 MiB within 10%. The gathered bits
-    are the same."""
+def all_gathers_by_send_recv(group_name: str, device: torch.device) -> bool:
+    """Whether an all-gather on this group runs in place as sends and receives of the
+    rank-major output's rows (``compshard::gather_rows_``): each rank sends its row to
+    every other rank and receives theirs into their rows. gloo (torch 2.11 to 2.13)
+    receives an all-gather into two temporaries of its output's size and then copies
+    them into the output; the sends and receives allocate nothing and copy nothing (the
+    same bytes either way). The previous way, one broadcast per rank (0.58 to 0.91x
+    gloo's all-gather from 3.4 to 47 MiB), was timed against it in one process on 2 CPU
+    cores (a fresh output and the copy-in included, medians of 15, 2 runs x 2 rounds):
+    at 2 ranks 0.65 to 0.85 ms against 0.85 to 1.05 at 0.8 MiB a row, 1.7 against 1.6 to
+    2.8 at 1.65 MiB, 5.6 to 6.6 against 5.8 to 7.5 at 6.6 MiB, 13.2 to 14.3 against 13.4
+    to 14.4 at 13.25 MiB; at 4 ranks 2.8 to 3.2 against 3.5 to 4.5, 5.3 to 6.2 against
+    6.3 to 8.1, 22 to 26 against 25 to 115 and 86 to 89 against 86 to 100 ms. The
+    gathered bits are the same.
+    """
     return backend_name(group_name, device) == "gloo"
 
 
-torch.library.define("compshard::broadcast_rows_", "(Tensor(a!) buffer, int world_size, str group_name) -> Tensor(a!)")
+# The point-to-point tag of compshard's row sends: a user's own sends on the same group
+# (tag 0 by default) cannot be taken for them.
+GATHER_ROWS_TAG = 0x6373
+
+torch.library.define("compshard::gather_rows_", "(Tensor(a!) buffer, int world_size, str group_name) -> Tensor(a!)")
 
 
-@torch.library.impl("compshard::broadcast_rows_", "CompositeExplicitAutograd")
-def _broadcast_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+@torch.library.impl("compshard::gather_rows_", "CompositeExplicitAutograd")
+def _gather_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     rows = buffer.view(world_size, -1)
-    for src in range(world_size):  # each registers its work on buffer's storage, where wait_tensor finds it
-        _c10d.broadcast_(rows[src], src, group_name)
+    group = resolve_group(group_name)
+    rank = group.rank()
+    for step in range(1, world_size):  # sends go out at once; each rank's order starts at its next peer
+        to, source = (rank + step) % world_size, (rank - step) % world_size
+        works = (group.send([rows[rank]], to, GATHER_ROWS_TAG), group.recv([rows[source]], source, GATHER_ROWS_TAG))
+        for work in works:
+            torch._C._distributed_c10d._register_work(buffer, work)  # wait_tensor(buffer) waits for them all
     return buffer
 
 
-@torch.library.register_fake("compshard::broadcast_rows_")
+@torch.library.register_fake("compshard::gather_rows_")
 def _(buffer, world_size, group_name):
     return buffer
 
 
 def all_gather_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """``buffer`` (``world_size`` equal rows, this rank's filled) with every rank's row,
-    waited: in place, as the compiled graphs gather (by broadcast on gloo, see
-    :func:`all_gathers_by_broadcast`; else ``all_gather_into_tensor_out``)."""
-    if all_gathers_by_broadcast(group_name, buffer.device):
-        return _c10d.wait_tensor(torch.ops.compshard.broadcast_rows_(buffer, world_size, group_name))
+    waited: in place, as the compiled graphs gather (by sends and receives on gloo, see
+    :func:`all_gathers_by_send_recv`; else ``all_gather_into_tensor_out``)."""
+    if all_gathers_by_send_recv(group_name, buffer.device):
+        return _c10d.wait_tensor(torch.ops.compshard.gather_rows_(buffer, world_size, group_name))
     rank, slot = group_rank(group_name), buffer.numel() // world_size
     return _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(buffer[rank * slot:(rank + 1) * slot], world_size,
                                                               group_name, out=buffer))

@@ -187,8 +187,8 @@ def _gather_index(graph) -> dict[str, int]:
 
 
 def _scratch_check(world_size: int) -> dict:
-    """Bytes gloo allocates for itself during an all-gather, the broadcasts that run
-    compshard's all-gathers on gloo, and a reduce-scatter (profiler allocation events,
+    """Bytes gloo allocates for itself during an all-gather, the sends and receives that
+    run compshard's all-gathers on gloo, and a reduce-scatter (profiler allocation events,
     the output excluded), and for the all-to-all that runs
     compshard's reduce-scatters on gloo the bytes still live beyond its output after the
     graph's last use of its input (the input dropped right after the start, a marker
@@ -201,7 +201,7 @@ def _scratch_check(world_size: int) -> dict:
     shard, full = torch.randn(4096), torch.randn(4096 * world_size)
     cases = {"all_gather": (c10d.all_gather_into_tensor_out.default, (shard, world_size, group),
                             {"out": torch.empty(4096 * world_size)}),
-             "broadcast_rows": (torch.ops.compshard.broadcast_rows_.default, (full, world_size, group), {}),
+             "gather_rows": (torch.ops.compshard.gather_rows_.default, (full, world_size, group), {}),
              "reduce_scatter": (c10d.reduce_scatter_tensor.default, (full, "sum", world_size, group), {}),
              "exchange": (c10d.all_to_all_single.default, (full, [4096] * world_size, [4096] * world_size, group),
                           {})}
@@ -211,9 +211,9 @@ def _scratch_check(world_size: int) -> dict:
         inputs = [graph.placeholder(f"x{i}") for i, _ in enumerate(args[:1])]
         inputs[0].meta["val"] = args[0]
         start = graph.call_function(op, (inputs[0], *args[1:]), kwargs)
-        output = {"all_gather": None, "broadcast_rows": None, "reduce_scatter": torch.empty(4096),
+        output = {"all_gather": None, "gather_rows": None, "reduce_scatter": torch.empty(4096),
                   "exchange": torch.empty_like(full)}[kind]  # None: in place, no output allocated
-        scheduled_as = {"exchange": "reduce_scatter", "broadcast_rows": "all_gather"}.get(kind, kind)
+        scheduled_as = {"exchange": "reduce_scatter", "gather_rows": "all_gather"}.get(kind, kind)
         in_place = kwargs.get("out", args[0])  # the tensor an in-place start writes
         start.meta.update(val=in_place if output is None else output, compshard=NodeMeta(scheduled_as, ("p",)))
         graph.call_function(c10d.wait_tensor.default, (start,))
@@ -343,7 +343,7 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     rows[rank] = buffer[:1000]
     expected_rows = torch.ops._c10d_functional.wait_tensor(
         torch.ops._c10d_functional.all_gather_into_tensor(buffer[:1000], world_size, group))
-    results["broadcast_rows_equal_all_gather"] = torch.equal(ops.all_gather_rows(rows.view(-1), world_size, group),
+    results["gather_rows_equal_all_gather"] = torch.equal(ops.all_gather_rows(rows.view(-1), world_size, group),
                                                              expected_rows)
     results["exchange_equals_reduce_scatter"] = torch.equal(
         ops.reduce_scatter_sum(buffer, world_size, group),
@@ -502,16 +502,16 @@ def test_memory_estimate_counts_the_backend_scratch_of_collectives(schedule_resu
     for result in schedule_results:
         for kind, (measured, estimated) in result["scratch"].items():
             assert estimated == measured, (kind, measured, estimated)
-            assert (measured == 0) if kind == "broadcast_rows" else (measured > 0), (kind, measured)
+            assert (measured == 0) if kind == "gather_rows" else (measured > 0), (kind, measured)
 
 
-def test_all_gathers_on_gloo_are_broadcasts_into_the_rows(schedule_results):
+def test_all_gathers_on_gloo_are_sends_and_receives_into_the_rows(schedule_results):
     """gloo receives an all-gather into temporaries of its output's size and copies them
-    in; compshard's compiled graphs (and its eager gathers) broadcast each rank's row in
-    place instead, with the same bits."""
+    in; compshard's compiled graphs (and its eager gathers) send each rank's row to the
+    others and receive theirs in place instead, with the same bits."""
     for result in schedule_results:
-        assert result["gather_ops"] == ["broadcast_rows_"], result["gather_ops"]
-        assert result["broadcast_rows_equal_all_gather"]
+        assert result["gather_ops"] == ["gather_rows_"], result["gather_ops"]
+        assert result["gather_rows_equal_all_gather"]
 
 
 def test_reduce_scatters_on_gloo_are_exchanges_summed_locally(schedule_results):

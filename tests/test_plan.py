@@ -136,13 +136,13 @@ def test_plan_counts_the_scratch_gloo_holds_for_collectives_in_flight():
     read after its fake process groups were gone, and then counted none of it (the
     width-384 GPT at 4 ranks: 11 MiB, 10.6%, under its measured peak). The plan builds
     each backend's collectives: on gloo a reduce-scatter is an all-to-all and a local sum
-    and an all-gather the broadcasts of the rows, on NCCL they are NCCL's own."""
+    and an all-gather sends and receives of the rows, on NCCL they are NCCL's own."""
     model = _meta_gpt(GATHER_BOUND_GPT)
     x, y = _local_batch(GATHER_BOUND_GPT, 0, 4)
     on_gloo, on_nccl = (compshard.plan(model, x, y, world_size=4, hardware=Measured(Costs(), backend))
                         for backend in ("gloo", "nccl"))
     assert on_gloo.memory.collective_buffers > on_nccl.memory.collective_buffers, (on_gloo.memory, on_nccl.memory)
-    for report, ops in ((on_gloo, {"reduce_scatter": "all_to_all_single", "all_gather": "broadcast_rows_"}),
+    for report, ops in ((on_gloo, {"reduce_scatter": "all_to_all_single", "all_gather": "gather_rows_"}),
                         (on_nccl, {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor_out"})):
         for kind, op in ops.items():
             assert {c["op"] for c in report.schedule.collectives if c["kind"] == kind} == {op}, kind
@@ -165,7 +165,7 @@ def test_measured_plan_scales_each_graphs_op_timings_to_its_run_end_to_end(monke
     report = compshard.plan(model, *_local_batch(GATHER_BOUND_GPT, 0, 2), world_size=2,
                             hardware=Measured(Costs(), "gloo"))
     assert set(runs) == set(report.schedule.graphs.values())
-    ops = ("all_to_all_single", "broadcast_rows_")
+    ops = ("all_to_all_single", "gather_rows_")
     for kind, gm in report.schedule.graphs.items():
         assert any(op in str(node.target) for node in gm.graph.nodes for op in ops), kind
         assert runs[gm] is not None and runs[gm] > 0, kind

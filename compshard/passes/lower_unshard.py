@@ -9,10 +9,10 @@ first member's place: a ``pack`` node
 (``compshard::all_gather_copy_in``: the gather's output buffer with this rank's slot
 holding its shards flattened, cast, zero-padded and concatenated) and the in-place start
 (the view of that slot and ``all_gather_into_tensor_out``; on gloo
-``compshard::broadcast_rows_``, see ``ops.all_gathers_by_broadcast``); just before the first use of any
-member: the ``wait_tensor`` and ``unpack`` nodes (``compshard::all_gather_copy_out`` into
-one flat tensor per bucket holding its parameters back to back, then a slice and view per
-parameter). The gathered buffer and each bucket's unpacked tensor carry
+``compshard::gather_rows_``, see ``ops.all_gathers_by_send_recv``); just before the
+first use of any member: the ``wait_tensor`` and ``unpack`` nodes
+(``compshard::all_gather_copy_out`` into one flat tensor per bucket holding its
+parameters back to back, then a slice and view per parameter). The gathered buffer and each bucket's unpacked tensor carry
 ``NodeMeta.gathered`` for the free pass: the buffer is released after
 the unpack, and each bucket's parameters together after the last use of any of them. A
 later pass may move pack and start earlier (prefetch); the wait stays before first use.
@@ -28,7 +28,7 @@ import operator
 from torch import fx
 
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta
-from compshard.ops import ShardLayout, all_gathers_by_broadcast, resolve_group
+from compshard.ops import ShardLayout, all_gathers_by_send_recv, resolve_group
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     FakeValues, aten, c10d, collective_members, compshard_ops, emit, first_use, hoist_before, is_op, prims,
@@ -80,8 +80,8 @@ def _lower_gather(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]], la
         buffer = add(compshard_ops.all_gather_copy_in.default,
                      ([a.shard for a in member_args], shard_numels, dtype, world_size, rank),
                      meta("pack", names, gathered_bytes))
-        if all_gathers_by_broadcast(group_name, members[0].meta["val"].device):
-            start = add(compshard_ops.broadcast_rows_.default, (buffer, world_size, group_name),
+        if all_gathers_by_send_recv(group_name, members[0].meta["val"].device):
+            start = add(compshard_ops.gather_rows_.default, (buffer, world_size, group_name),
                         meta("all_gather", names, gathered_bytes))
         else:
             packed = add(aten.slice.Tensor, (buffer, 0, rank * slot, (rank + 1) * slot), meta("pack", names, 0))

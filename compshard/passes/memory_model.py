@@ -39,7 +39,7 @@ def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bo
         return roots.get(parent) if isinstance(parent, fx.Node) else None
     if "out" in node.kwargs:  # an out= op (the in-place all-gather) writes its out buffer
         return roots.get(node.kwargs["out"])
-    if is_op(node, compshard_ops.broadcast_rows_.default):  # the in-place all-gather on gloo
+    if is_op(node, compshard_ops.gather_rows_.default):  # the in-place all-gather on gloo
         return roots.get(first_arg(node))
     return node
 
@@ -54,15 +54,15 @@ def backend_scratch_bytes(start: fx.Node) -> int:
     output, but its work holds the input (the packed gradients) until the wait, after
     the graph's last use of it: that input is counted here, or every packed bucket in
     flight at the end of a backward would be missed (measured: 46.8 MiB on a 47 MiB GPT
-    at 4 ranks). None counted for the broadcasts that run compshard's all-gathers on gloo
-    (``ops.all_gathers_by_broadcast``), nor for other backends (NCCL writes the output in
+    at 4 ranks). None counted for the sends and receives that run compshard's all-gathers on gloo
+    (``ops.all_gathers_by_send_recv``), nor for other backends (NCCL writes the output in
     place)."""
     kind = scheduled_kind(start)
     if kind not in ("all_gather", "reduce_scatter"):
         return 0
     if is_op(start, c10d.all_to_all_single.default):  # a reduce-scatter run as an exchange
         return nbytes(op_arg(start, "input").meta["val"])
-    if is_op(start, compshard_ops.broadcast_rows_.default):  # an all-gather run as broadcasts, in place
+    if is_op(start, compshard_ops.gather_rows_.default):  # an all-gather run as sends and receives, in place
         return 0
     if backend_name(op_arg(start, "group_name"), start.meta["val"].device) != "gloo":
         return 0
