@@ -345,14 +345,14 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         torch.ops._c10d_functional.all_gather_into_tensor(buffer[:1000], world_size, group))
     results["gather_rows_equal_all_gather"] = torch.equal(ops.all_gather_rows(rows.view(-1), world_size, group),
                                                              expected_rows)
+    summed = ops.reduce_scatter_sum(buffer, world_size, group)
     results["exchange_equals_reduce_scatter"] = torch.equal(
-        ops.reduce_scatter_sum(buffer, world_size, group),
+        summed,
         torch.ops._c10d_functional.wait_tensor(
             torch.ops._c10d_functional.reduce_scatter_tensor(buffer, "sum", world_size, group)))
     received = torch.ops._c10d_functional.wait_tensor(
         torch.ops._c10d_functional.all_to_all_single(buffer, [1000] * world_size, [1000] * world_size, group))
     shard_numels, local_numels = [300, 500, 200], [300, 450, 200]  # three parameters, one short of its rows
-    summed = ops.reduce_scatter_sum(buffer, world_size, group)
     results["unpack_sums_exchanged_rows"] = all(
         torch.equal(unpacked, expected)
         for dtype in (torch.float32, torch.bfloat16)

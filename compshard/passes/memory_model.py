@@ -54,9 +54,9 @@ def backend_scratch_bytes(start: fx.Node) -> int:
     output, but its work holds the input (the packed gradients) until the wait, after
     the graph's last use of it: that input is counted here, or every packed bucket in
     flight at the end of a backward would be missed (measured: 46.8 MiB on a 47 MiB GPT
-    at 4 ranks). None counted for the sends and receives that run compshard's all-gathers on gloo
-    (``ops.all_gathers_by_send_recv``), nor for other backends (NCCL writes the output in
-    place)."""
+    at 4 ranks). None counted for the sends and receives that run compshard's all-gathers
+    on gloo (``ops.all_gathers_by_send_recv``), nor for other backends (NCCL writes the
+    output in place)."""
     kind = scheduled_kind(start)
     if kind not in ("all_gather", "reduce_scatter"):
         return 0
