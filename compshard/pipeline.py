@@ -11,7 +11,10 @@ stage, pipeline across stages).
 Each stage module (an FX graph of ATen ops) is compiled with the compshard backend
 (``compile=True``, the default; ``compile_options`` are the backend's options), which
 schedules its all-gathers; ``compile=False`` runs it eagerly, each parameter read a
-blocking all-gather.
+blocking all-gather. A stage graph that gathers nothing (``per_step`` below, or an
+unsharded stage) leaves compshard nothing to schedule: unless the options ask for
+recompute, a memory budget or Inductor's codegen, the backend runs it as Dynamo captured
+it, under eager autograd (:func:`compshard.backend.schedules_nothing`).
 
 When a sharded stage gathers its parameters is the ``reshard`` option (see
 :data:`RESHARD_MODES`), a choice of memory against communication:
@@ -348,7 +351,8 @@ def pipeline(
             sharded over its ``dp`` ranks with :func:`compshard.shard`.
         compile: compile each stage module with the compshard backend (``True``) or run
             it eagerly (``False``). The first ``step`` compiles (each stage its own
-            graphs); gradients are reduced once per step either way.
+            graphs; a graph that gathers nothing runs as captured, see above); gradients
+            are reduced once per step either way.
         compile_options: the backend's options (:class:`compshard.CompileOptions`), for
             ``compile=True`` only; ``None``: the defaults.
         reshard: when a sharded stage (``dp > 1``) gathers its parameters and frees them

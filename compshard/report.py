@@ -352,5 +352,7 @@ def inspect(module: nn.Module, *args: Any, options: dict | None = None, profile:
         for param, grad in zip(params, saved_grads):
             param.grad = grad
     if not captured:
-        raise RuntimeError("compshard.inspect: nothing was compiled (the module ran no graph for these inputs)")
+        raise RuntimeError("compshard.inspect: nothing was scheduled: the module ran no graph for these inputs that "
+                           "reads a sharded parameter (compshard.shard) or whose options ask for recompute, a "
+                           "memory budget or codegen='inductor'; such graphs run as captured")
     return Report(captured, measured, getattr(module, "_compshard_config", None))

@@ -111,6 +111,29 @@ def test_inspect_at_world_size_one_and_leaves_grads_alone():
     assert all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
 
 
+@pytest.mark.parametrize("options, scheduled", [(None, False), ({"recompute": "selective"}, True)])
+def test_graph_that_reads_no_sharded_parameter_runs_as_captured(options, scheduled):
+    """An unsharded model leaves the backend nothing to schedule: with the default options
+    its graph runs as captured (eager autograd, bit for bit), none is scheduled and
+    inspect says why; recompute still goes through the joint graph."""
+    model, batch = make_model("gpt")
+    reference = copy.deepcopy(model)
+    torch._dynamo.reset()
+    with compshard.backend.record_compiles() as compiled:
+        loss = torch.compile(model, backend="compshard", options=options)(*batch)
+        loss.backward()
+    expected = reference(*batch)
+    expected.backward()
+    assert sorted(g.kind for g in compiled) == (["backward", "forward"] if scheduled else [])
+    if scheduled:
+        assert relative_error(loss, expected) <= RTOL
+        return
+    assert torch.equal(loss, expected)
+    assert all(torch.equal(p.grad, q.grad) for p, q in zip(model.parameters(), reference.parameters()))
+    with pytest.raises(RuntimeError, match="nothing was scheduled.*reads a sharded parameter"):
+        compshard.inspect(model, *batch)
+
+
 @pytest.mark.parametrize(
     "options, message",
     [

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
+from torch._dynamo.utils import counters
 from torch.distributed.tensor import DTensor
 
 import compshard
@@ -211,12 +212,14 @@ def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule:
                               example_inputs=x, mesh=mesh, compile=compile, reshard=reshard)
     opt = torch.optim.AdamW(pipe.module.parameters(), **PIPELINE_ADAMW)
     losses = []
+    captured_before = counters["stats"]["unique_graphs"]
     with record_compiles() as compiled:
         for _ in range(STEPS - 1):
             losses.append(pipe.step(x, y).item())
             opt.step()
             opt.zero_grad()
     collectives = _count_collectives(lambda: losses.append(pipe.step(x, y).item()))
+    captured = counters["stats"]["unique_graphs"] - captured_before
     opt.step()
     opt.zero_grad()
     full = compshard.full_state_dict(pipe.module)
@@ -228,6 +231,7 @@ def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule:
         "params": {name: relative_error(value, expected[name]) for name, value in full.items()},
         "names": [name for name, _ in pipe.module.named_parameters()],
         "graphs": sorted(graph.kind for graph in compiled),
+        "captured": captured,
         **collectives,
         "sharded": [isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in pipe.module.parameters()],
         "bubble": report.bubble_fraction,
@@ -359,12 +363,17 @@ def test_pipeline_training_matches_single_process_eager(world_size, case):
 
 @each_case
 def test_stages_compile_and_reduce_gradients_once_per_step(world_size, case):
-    world_size, (stages, _, _, _, compile, _), results = _cases(world_size, case)
+    world_size, (stages, _, _, _, compile, reshard), results = _cases(world_size, case)
     sharded = world_size > stages
     for rank, result in enumerate(results):
         got = result[case]
-        # one forward and one backward graph per stage (no recompile after the first step)
-        assert got["graphs"] == (["backward", "forward"] if compile else []), f"rank {rank}: {got['graphs']}"
+        # Dynamo captures one graph per stage (no recompile after the first step); compshard
+        # schedules it (a forward and a backward graph) where it gathers parameters, in
+        # every micro-batch, and runs it as captured where it reads parameters gathered for
+        # the step or unsharded ones (backend.schedules_nothing)
+        assert got["captured"] == (1 if compile else 0), f"rank {rank}: {got['captured']} graphs captured"
+        scheduled = compile and sharded and reshard == "per_microbatch"
+        assert got["graphs"] == (["backward", "forward"] if scheduled else []), f"rank {rank}: {got['graphs']}"
         assert f"{'compiled' if compile else 'eager'} stages" in got["report"]
         # one reduce-scatter per bucket and step, not one per micro-batch: a stage of the
         # test GPT is one bucket (far below bucket_mb)
