@@ -27,7 +27,7 @@ When a sharded stage gathers its parameters is the ``reshard`` option (see
   reduction. The stage's full parameters are held for the whole step (``dp`` times its
   shards), as FSDP2 holds a root unit under torch's pipeline schedules; nothing is
   gathered while computing. The default: on bench_pipeline's 2 x 2 GPT runs it was the
-  faster mode by a third, for 3 to 19% more peak memory (README, "Pipeline
+  faster mode by a third, for -1 to 6% more peak memory (README, "Pipeline
   parallelism").
 - ``"per_microbatch"``: each of the ``M`` micro-batches gathers what its forward reads,
   and again what its backward reads (compiled: in buckets, prefetched and freed after
