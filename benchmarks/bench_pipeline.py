@@ -101,7 +101,7 @@ from compshard.models import GPTConfig  # noqa: E402
 from compshard.pipeline import SCHEDULES, mean_step_loss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
 from compshard.pipeline_stages import Partition, build_stage_module, partition_stages  # noqa: E402
 from harness import (  # noqa: E402
-    init_distributed, make_workload, peak_tensor_bytes, progress, state_bytes, write_results)
+    held_outside_tensors, init_distributed, make_workload, peak_tensor_bytes, progress, state_bytes, write_results)
 
 assert set(SCHEDULES) == set(SCHEDULE_NAMES), "SCHEDULE_NAMES lists compshard.pipeline.SCHEDULES for --help"
 
@@ -228,7 +228,8 @@ def main(args: argparse.Namespace) -> None:
     peaks: dict[str, int] = {}
     for name, system in systems.items():
         dist.barrier()
-        peaks[name] = peak_tensor_bytes(system.step, device, state_bytes(system.stage, system.opt))
+        peaks[name] = peak_tensor_bytes(system.step, device,
+                                        state_bytes(system.stage, system.opt) + held_outside_tensors(name))
         progress(f"  {name}: peak tensor memory {peaks[name] / 2**20:.1f} MiB")
 
     per_rank: list = [None] * world_size

@@ -11,8 +11,9 @@ runs one step's forward and the parameters for the optimizer.
 Measured per system: the global-mean loss of every step, the median step time (forward,
 backward, optimizer step; ranks aligned by a barrier before each step, warm-up steps not
 counted), and per-rank memory: the peak bytes of CPU/GPU tensors during one extra,
-profiled forward and backward (the bytes held at its start plus the largest rise of the
-allocator's allocations, from the profiler's allocation events) and the bytes of
+profiled forward and backward (the bytes held at its start, compshard's shared-memory
+slots included, plus the largest rise of the allocator's allocations, from the
+profiler's allocation events) and the bytes of
 parameters + gradients + optimizer state this rank holds.
 """
 
@@ -143,6 +144,14 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
+def held_outside_tensors(system: str) -> int:
+    """Bytes a system holds outside torch's allocator that its peak counts: for compshard's
+    systems, the shared-memory slots of every group this process has opened
+    (``compshard.shared_memory.held_bytes``; a system on groups of its own is also
+    charged for those of the systems before it)."""
+    return compshard.shared_memory.held_bytes() if system.startswith("compshard") else 0
+
+
 def peak_tensor_bytes(step: Callable[[], None], device: torch.device, held_at_start: int) -> int:
     """Peak bytes of tensors on ``device`` while ``step`` runs: ``held_at_start`` (what
     the rank holds when the step begins) plus the largest rise of the allocator's
@@ -245,7 +254,8 @@ def _train_together(
             times[name].append(timed(name, f"step {index + 1}/{steps}"))
     results = {}
     for name, run in runs.items():
-        peak = peak_tensor_bytes(lambda: run.forward(*batch).backward(), device, state_bytes(run.model, run.opt))
+        peak = peak_tensor_bytes(lambda: run.forward(*batch).backward(), device,
+                                 state_bytes(run.model, run.opt) + held_outside_tensors(name))
         held = state_bytes(run.model, run.opt)  # now with this step's gradients
         run.opt.zero_grad(set_to_none=True)
         results[name] = Result(name, losses[name], times[name], peak, held)

@@ -1,0 +1,248 @@
+"""All-gathers through shared memory between the ranks of a gloo group on one host.
+
+gloo moves every byte through TCP on the loopback device: the sender's kernel copies it
+out of the process, the receiver's copies it in, and gloo's threads take CPU time from
+compute for it. Ranks on one host can instead exchange rows through one shared-memory
+file that every rank maps: a rank copies its row into its slot and marks it ready, every
+other rank copies it out (``compshard::gather_rows_`` uses this where it can).
+
+Protocol, per group: each rank owns two slots of :data:`SLOT_BYTES` and two int64
+counters, ``ready`` and ``read``. A row longer than a slot goes in rounds of one slot.
+Round ``k`` uses slot ``k % 2``: a rank first waits until every rank has read its round
+``k - 2`` (the last use of that slot), copies its piece in and sets ``ready = k``; then,
+for each other rank, waits for its ``ready >= k`` and copies its piece out; then sets
+``read = k``. So one rank may fill round ``k + 1`` while the others still read round
+``k``. Every rank runs the same rounds in the same order, as every rank issues the same
+collectives. The ordering of the copies and the counters relies on x86-64's stores and
+loads staying in program order (TSO), so other machines keep gloo. A wait polls,
+yielding the core, for up to :data:`SPIN_SECONDS`, then sleeps in growing steps up to
+0.2 ms; it raises when the awaited rank's process has exited, or after
+:data:`WAIT_SECONDS`.
+
+When: the group's real backend is gloo, it has more than one rank and no more than the
+cores a rank may run on, the machine is x86-64, ``COMPSHARD_SHARED_MEMORY`` is not
+``0``, and every rank can open the file that
+rank 0 creates under ``/dev/shm`` and read back the token rank 0 wrote into it (so they
+share it: one host, one ``/dev/shm``), and every rank sees every other's process id.
+Decided once per group, collectively, on the group's first all-gather (every rank
+gathers on each group in the same order); rank 0 unlinks the file as soon as every rank
+has mapped it, so none is left behind.
+
+Memory: ``2 * SLOT_BYTES`` a rank (:func:`held_bytes`), for the life of the process,
+whatever the size of the gathers; the bits gathered are the same as gloo's.
+The exchanges run on one thread per group, in the order they were started, as gloo's
+run on its own threads: the all-gather's start queues it, its ``wait_tensor`` waits for
+it (``start_all_gather``), so compute goes on meanwhile.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import time
+import uuid
+import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["SLOT_BYTES", "SPIN_SECONDS", "WAIT_SECONDS", "SharedRows", "held_bytes", "shared_rows", "usable_here"]
+
+SLOT_BYTES = 1 << 18  # 256 KiB: two a rank keep the memory held small beside the gathered buffers
+SPIN_SECONDS = 2e-3  # ranks issue the same collectives, so most waits end within this
+WAIT_SECONDS = 300.0
+_COUNTERS = 2  # ready, read
+_TOKEN_BYTES = 16
+
+# process group -> its exchange (None: gloo's); weak, since a destroyed group's name may be reused
+_opened: "weakref.WeakKeyDictionary[dist.ProcessGroup, SharedRows | None]" = weakref.WeakKeyDictionary()
+
+
+class SharedRows:
+    """The shared slots and counters of one group's ranks (see the module docstring)."""
+
+    def __init__(self, storage: torch.Tensor, rank: int, pids: list[int], wait_seconds: float = WAIT_SECONDS):
+        world_size = len(pids)
+        self.rank, self.world_size, self.pids, self.wait_seconds = rank, world_size, pids, wait_seconds
+        slots_bytes = world_size * 2 * SLOT_BYTES
+        self._slots = storage[:slots_bytes].view(world_size, 2, SLOT_BYTES)
+        counters = storage[slots_bytes: slots_bytes + world_size * _COUNTERS * 8].view(torch.int64)
+        self._counters = counters.numpy().reshape(world_size, _COUNTERS)  # polled from Python: numpy is cheaper
+        self._round = int(self._counters[rank, 0])
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compshard-shared-memory")
+        self._failed: BaseException | None = None
+
+    @staticmethod
+    def nbytes(world_size: int) -> int:
+        """The shared file's size: the slots, the counters, the token."""
+        return world_size * (2 * SLOT_BYTES + _COUNTERS * 8) + _TOKEN_BYTES
+
+    def start_all_gather(self, rows: torch.Tensor) -> dist.Work:
+        """Start :meth:`all_gather` of ``rows`` on this group's exchange thread, after the
+        ones started before it (so every rank runs the same rounds in the same order);
+        the returned work's ``wait`` waits for it and raises what it raised."""
+        return _ExchangeWork(self._thread.submit(self.all_gather, rows))
+
+    def all_gather(self, rows: torch.Tensor) -> None:
+        """Fill every other rank's row of ``rows`` (``world_size`` rows, contiguous, this
+        rank's filled) with that rank's row, in place; blocking, one call at a time (the
+        exchange thread's). After a failed exchange the group's rounds are out of step,
+        so every later call raises."""
+        if self._failed is not None:
+            raise RuntimeError(f"compshard: an earlier shared-memory all-gather of this group failed: {self._failed}")
+        try:
+            self._all_gather(rows)
+        except BaseException as error:
+            self._failed = error
+            raise
+
+    def _all_gather(self, rows: torch.Tensor) -> None:
+        data = rows.reshape(-1).view(torch.uint8).view(self.world_size, -1)
+        row_bytes = data.shape[1]
+        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
+        for start in range(0, row_bytes, SLOT_BYTES):
+            length = min(SLOT_BYTES, row_bytes - start)
+            self._round += 1
+            round_, slot = self._round, self._round % 2
+            for peer in peers:  # the slot's last use was round - 2
+                self._wait(peer, 1, round_ - 2)
+            self._slots[self.rank, slot, :length].copy_(data[self.rank, start:start + length])
+            self._counters[self.rank, 0] = round_
+            for peer in peers:
+                self._wait(peer, 0, round_)
+                data[peer, start:start + length].copy_(self._slots[peer, slot, :length])
+            self._counters[self.rank, 1] = round_
+
+    def _wait(self, peer: int, counter: int, value: int) -> None:
+        """Until ``peer``'s counter reaches ``value``: polling (yielding the core) for up to
+        :data:`SPIN_SECONDS`, then sleeping in growing steps up to 0.2 ms."""
+        if self._counters[peer, counter] >= value:
+            return
+        started = time.monotonic()
+        pause = 50e-6
+        while self._counters[peer, counter] < value:
+            waited = time.monotonic() - started
+            if waited < SPIN_SECONDS:
+                os.sched_yield()
+                continue
+            if waited > self.wait_seconds:
+                raise RuntimeError(
+                    f"compshard: rank {peer} of a shared-memory all-gather did not reach round {value} within "
+                    f"{self.wait_seconds:g} s (the ranks issued different collectives?)")
+            if not _alive(self.pids[peer]):
+                raise RuntimeError(f"compshard: rank {peer} of a shared-memory all-gather exited "
+                                   f"(process {self.pids[peer]}) before it reached round {value}")
+            time.sleep(pause)
+            pause = min(2 * pause, 2e-4)
+
+
+class _ExchangeWork(dist.Work):
+    """A queued exchange as a c10d work, so ``wait_tensor`` on its buffer waits for it
+    (torch's future-wrapping work would drop the exchange's error, leaving rows unfilled)."""
+
+    def __init__(self, exchange: Future) -> None:
+        super().__init__()
+        self._exchange = exchange
+
+    def wait(self, timeout: object = None) -> bool:  # noqa: ARG002 - the exchange has its own deadline
+        self._exchange.result()
+        return True
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # exists, owned by someone else
+        return True
+    return True
+
+
+def held_bytes() -> int:
+    """Bytes of shared slots this process holds for its groups (its own slots only: each
+    rank's share of the files)."""
+    return sum(2 * SLOT_BYTES for rows in _opened.values() if rows is not None)
+
+
+def shared_rows(group: dist.ProcessGroup) -> SharedRows | None:
+    """The shared-memory exchange of ``group``, opened on first use (collective: every
+    rank of the group calls it at the same point); None where the group gathers through
+    gloo (see the module docstring)."""
+    if group not in _opened:
+        _opened[group] = _open(group)
+    return _opened[group]
+
+
+def usable_here(world_size: int) -> bool:
+    """Whether this process may exchange through shared memory with ``world_size - 1``
+    others: not turned off, x86-64, a core for each rank of the group (rounds in lockstep
+    stall when ranks wait for a core: 4 ranks on 2 cores took 4.7 to 9.0 ms for 3.3 MiB
+    and 30 to 181 ms for 26.5 MiB, against 4.0 and 43 through gloo), and room in
+    ``/dev/shm`` for the group's file."""
+    if os.environ.get("COMPSHARD_SHARED_MEMORY", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
+        return False
+    if world_size > len(os.sched_getaffinity(0)):
+        return False
+    try:
+        stats = os.statvfs("/dev/shm")
+    except OSError:
+        return False
+    return stats.f_bavail * stats.f_frsize >= SharedRows.nbytes(world_size)
+
+
+def _open(group: dist.ProcessGroup) -> SharedRows | None:
+    world_size, rank = group.size(), group.rank()
+    try:
+        backend = group._get_backend(torch.device("cpu")).name()
+    except RuntimeError:  # no CPU backend
+        return None
+    if world_size < 2 or backend != "gloo":
+        return None
+    nbytes = SharedRows.nbytes(world_size)
+    if not _agreed(group, usable_here(world_size)):
+        return None
+    file: list[object] = [None]
+    storage = None
+    if rank == 0:  # created and stamped before any other rank looks for it
+        file = [(f"/dev/shm/compshard-{uuid.uuid4().hex}", uuid.uuid4().bytes)]
+        storage = _map(*file[0], nbytes, create=True)
+    dist.broadcast_object_list(file, src=dist.get_global_rank(group, 0), group=group)
+    path, token = file[0]
+    if rank != 0:
+        storage = _map(path, token, nbytes, create=False)
+    pids: list[object] = [None] * world_size  # every rank has mapped the file (or failed) once this returns
+    dist.all_gather_object(pids, os.getpid() if storage is not None else None, group=group)
+    if rank == 0 and os.path.exists(path):
+        os.unlink(path)
+    if None in pids:
+        return None
+    # a wait notices a rank's exit through its pid: every rank must see every other's
+    return SharedRows(storage, rank, pids) if _agreed(group, all(map(_alive, pids))) else None
+
+
+def _map(path: str, token: bytes, nbytes: int, *, create: bool) -> torch.Tensor | None:
+    """The file mapped as a byte tensor, its token checked; None where it cannot be."""
+    try:
+        if create:
+            with open(path, "wb") as file:
+                file.truncate(nbytes)
+        elif not os.path.exists(path):
+            return None
+        mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
+    except (OSError, RuntimeError):
+        return None
+    stamp = mapped[nbytes - _TOKEN_BYTES:]
+    if create:
+        stamp.copy_(torch.frombuffer(bytearray(token), dtype=torch.uint8))
+        return mapped
+    return mapped if bytes(stamp.numpy()) == token else None
+
+
+def _agreed(group: dist.ProcessGroup, mine: bool) -> bool:
+    """Whether every rank of ``group`` says yes (collective)."""
+    everyone: list[object] = [None] * group.size()
+    dist.all_gather_object(everyone, bool(mine), group=group)
+    return all(everyone)
+

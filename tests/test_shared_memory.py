@@ -1,0 +1,94 @@
+"""All-gathers through shared memory (compshard.shared_memory): the same bits as gloo's
+sends and receives at 2 and 4 ranks, in rounds of several slots, fp32 and bf16; the
+decision per group (COMPSHARD_SHARED_MEMORY=0 keeps gloo); waits that end with an error,
+never a hang, when a rank is late or gone."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from compshard import ops, shared_memory
+from compshard.shared_memory import SLOT_BYTES, SharedRows
+from tests.distributed import run_distributed
+
+# (dtype, elements a row): one element; two and a half slots; a bf16 row of odd bytes
+# (not a whole number of 4-byte words) that still spans three rounds
+CASES = [(torch.float32, 1), (torch.float32, 5 * SLOT_BYTES // 8), (torch.bfloat16, SLOT_BYTES + 3)]
+
+
+def _gather(group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    world_size, rank = group.size(), group.rank()
+    generator = torch.Generator().manual_seed(1000 + rank)
+    buffer = torch.full((world_size, numel), float("nan"), dtype=dtype)
+    buffer[rank] = torch.randn(numel, generator=generator).to(dtype)
+    return ops.all_gather_rows(buffer.view(-1), world_size, group.group_name).view(world_size, numel)
+
+
+def _shared_memory_worker(rank: int, world_size: int) -> dict:
+    ranks = list(range(world_size))
+    shared_group = dist.new_group(ranks, backend="gloo")
+    opened = shared_memory.shared_rows(shared_group)
+    usable = shared_memory.usable_here(world_size)
+    os.environ["COMPSHARD_SHARED_MEMORY"] = "0"
+    try:
+        gloo_group = dist.new_group(ranks, backend="gloo")
+        opened_gloo = shared_memory.shared_rows(gloo_group)
+    finally:
+        del os.environ["COMPSHARD_SHARED_MEMORY"]
+    same, expected_rows = [], []
+    for dtype, numel in CASES:
+        through_shared = _gather(shared_group, dtype, numel)
+        through_gloo = _gather(gloo_group, dtype, numel)
+        same.append(torch.equal(through_shared.view(torch.uint8), through_gloo.view(torch.uint8)))
+        # row r is what rank r filled
+        expected = torch.stack([torch.randn(numel, generator=torch.Generator().manual_seed(1000 + r)).to(dtype)
+                                for r in ranks])
+        expected_rows.append(torch.equal(through_shared, expected))
+    return {"shared": opened is not None, "gloo": opened_gloo is None, "same": same, "expected": expected_rows,
+            "held": shared_memory.held_bytes(), "usable": usable}
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shared_memory_gathers_the_bits_gloo_gathers(world_size):
+    for rank, got in enumerate(run_distributed(_shared_memory_worker, world_size)):
+        assert got["gloo"], f"rank {rank}: COMPSHARD_SHARED_MEMORY=0 must keep gloo"
+        # ranks spawned on one host share /dev/shm: where this machine allows it, they must use it
+        assert got["shared"] == got["usable"], f"rank {rank}: shared memory {got['shared']}, usable {got['usable']}"
+        assert got["held"] == (2 * SLOT_BYTES if got["shared"] else 0)
+        assert all(got["same"]), f"rank {rank}: {got['same']}"
+        assert all(got["expected"]), f"rank {rank}: {got['expected']}"
+
+
+def _exchange(tmp_path, pids: list[int], wait_seconds: float) -> SharedRows:
+    nbytes = SharedRows.nbytes(len(pids))
+    storage = shared_memory._map(str(tmp_path / "rows"), b"t" * 16, nbytes, create=True)
+    return SharedRows(storage, 0, pids, wait_seconds=wait_seconds)
+
+
+def test_a_wait_for_a_late_rank_ends_in_an_error(tmp_path):
+    exchange = _exchange(tmp_path, [os.getpid(), os.getpid()], wait_seconds=0.05)
+    with pytest.raises(RuntimeError, match="did not reach round 1 within"):
+        exchange.all_gather(torch.zeros(2, 4))
+    # its rounds are out of step now: a later exchange, started on the group's thread (as
+    # gather_rows_ starts it), raises too, and the error reaches wait_tensor
+    rows = torch.zeros(2, 4)
+    torch._C._distributed_c10d._register_work(rows, exchange.start_all_gather(rows))
+    with pytest.raises(RuntimeError, match="earlier shared-memory all-gather of this group failed"):
+        torch.ops._c10d_functional.wait_tensor(rows)
+
+
+def test_a_wait_for_an_exited_rank_ends_at_once(tmp_path):
+    finished = subprocess.Popen([sys.executable, "-c", "pass"])
+    finished.wait()
+    exchange = _exchange(tmp_path, [os.getpid(), finished.pid], wait_seconds=60)
+    started = time.monotonic()
+    with pytest.raises(RuntimeError, match=f"exited \\(process {finished.pid}\\)"):
+        exchange.all_gather(torch.zeros(2, 4))
+    assert time.monotonic() - started < 5
