@@ -27,7 +27,8 @@ parameters + gradients + optimizer state per rank, the final loss, and:
   ranks. Where the collectives come from:
     compshard: compshard.inspect on a freshly sharded copy (its report's all-gathers,
       reduce-scatters and all-reduces; on gloo its reduce-scatters are all-to-alls and a
-      local sum, and its all-gathers sends and receives of the rows, replayed as such).
+      local sum, and its all-gathers sends and receives of the rows, or the rows through
+      shared memory where the ranks share a host: replayed as such).
     FSDP2 (eager and compiled alike): from the fully_shard units of a freshly wrapped
       copy: one all-gather per unit in forward, one more in backward for every unit
       resharded after forward (all but the root), one reduce-scatter per unit; sizes are
