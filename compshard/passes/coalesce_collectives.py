@@ -50,7 +50,7 @@ from compshard.sizes import nbytes
 from compshard.ops import group_size
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    FakeValues, aten, compshard_ops, is_op, is_view, members_by_bucket, node_order, producer, reduce_grad_args,
+    FakeValues, compshard_ops, is_op, is_view, members_by_bucket, node_order, producer, reduce_grad_args,
     scheduled_kind, start_gathers_at_waits, unshard_args,
 )
 from compshard.passes.lower_reduce_grad import lower_reduce_grad, reduced_in_bucket
@@ -105,9 +105,7 @@ class _Lowered:
     wait: int
     unpack: int
     buffer: int  # all-gather: the gathered buffer; reduce-scatter: the packed input
-    output: int  # reduce-scatter: its output (this rank's rows); all-gather: 0 (filled in place)
-    reduced: int  # index after which ``output`` dies: the unpack, or an exchange's sum
-    summed: int  # an exchange's sum of the received rows (held from ``reduced`` to the unpack); else 0
+    output: int  # reduce-scatter: its output, held to the unpack (on gloo the rows the unpack sums); all-gather: 0
     scratch_per_byte: int  # the backend's scratch, per byte of ``buffer``
     unpacked: list[tuple[int, int]]  # (bytes, index after which it dies) per unpacked tensor
     front: list[int] = field(default_factory=list)
@@ -169,20 +167,17 @@ class PeakModel:
             buffer = nbytes(pack.meta["val"])
             scratch = backend_scratch_bytes(start)
             unpacked = [(nbytes(user.meta["val"]), events.release_index(user)) for user in unpack.users]
-            sums = [node for node in part["nodes"] if is_op(node, aten.sum.dim_IntList)]  # an exchange's
-            reduced = order[sums[0]] if sums else order[unpack]
-            summed = nbytes(sums[0].meta["val"]) if sums else 0
             if part["kind"] == "all_gather":
                 output = 0
             else:
                 output = nbytes(start.meta["val"])
-                if events.release_index(pack) != order[start] or events.release_index(start) != reduced \
-                        or (sums and events.release_index(sums[0]) != order[unpack]) or order[wait] <= last_compute:
+                if events.release_index(pack) != order[start] or events.release_index(start) != order[unpack] \
+                        or order[wait] <= last_compute:
                     return None
             if buffer == 0 or scratch % buffer:
                 return None
             record = _Lowered(order[pack], order[start], order[wait], order[unpack], buffer, output,
-                              reduced, summed, scratch // buffer, unpacked)
+                              scratch // buffer, unpacked)
             for node in part["nodes"]:
                 (record.front if order[node] <= order[start] else record.back).append(order[node])
             lowered[(part["kind"], part["buckets"][0])] = record
@@ -240,8 +235,7 @@ class PeakModel:
                 buffer = sum(r.buffer for r in records)
                 hold(front.pack, front.start if kind == "reduce_scatter" else back.unpack, buffer)
                 hold(front.start, back.wait, front.scratch_per_byte * buffer)
-                hold(front.start, back.reduced, sum(r.output for r in records))
-                hold(back.reduced, back.unpack, sum(r.summed for r in records))
+                hold(front.start, back.unpack, sum(r.output for r in records))
                 for record in records:
                     for nbytes_, dies in record.unpacked:
                         hold(back.unpack, dies, nbytes_)
