@@ -21,9 +21,9 @@ yielding the core, for up to :data:`SPIN_SECONDS`, then sleeps in growing steps 
 
 When: the group's real backend is gloo, it has more than one rank and no more than the
 cores a rank may run on, the machine is x86-64, ``COMPSHARD_SHARED_MEMORY`` is not
-``0``, and every rank can open the file that
-rank 0 creates under ``/dev/shm`` and read back the token rank 0 wrote into it (so they
-share it: one host, one ``/dev/shm``), and every rank sees every other's process id.
+``0``, every rank can open the file that rank 0 creates under ``/dev/shm`` and read
+back the token rank 0 wrote into it (so they share it: one host, one ``/dev/shm``),
+and every rank sees every other's process id.
 Decided once per group, collectively, on the group's first all-gather (every rank
 gathers on each group in the same order); rank 0 unlinks the file as soon as every rank
 has mapped it, so none is left behind.
@@ -155,8 +155,8 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:  # exists, owned by someone else
-        return True
+    except PermissionError:  # it exists, owned by someone else
+        pass
     return True
 
 

@@ -23,11 +23,15 @@ from tests.distributed import run_distributed
 CASES = [(torch.float32, 1), (torch.float32, 5 * SLOT_BYTES // 8), (torch.bfloat16, SLOT_BYTES + 3)]
 
 
+def _row(rank: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """What rank ``rank`` contributes."""
+    return torch.randn(numel, generator=torch.Generator().manual_seed(1000 + rank)).to(dtype)
+
+
 def _gather(group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> torch.Tensor:
     world_size, rank = group.size(), group.rank()
-    generator = torch.Generator().manual_seed(1000 + rank)
     buffer = torch.full((world_size, numel), float("nan"), dtype=dtype)
-    buffer[rank] = torch.randn(numel, generator=generator).to(dtype)
+    buffer[rank] = _row(rank, dtype, numel)
     return ops.all_gather_rows(buffer.view(-1), world_size, group.group_name).view(world_size, numel)
 
 
@@ -47,10 +51,7 @@ def _shared_memory_worker(rank: int, world_size: int) -> dict:
         through_shared = _gather(shared_group, dtype, numel)
         through_gloo = _gather(gloo_group, dtype, numel)
         same.append(torch.equal(through_shared.view(torch.uint8), through_gloo.view(torch.uint8)))
-        # row r is what rank r filled
-        expected = torch.stack([torch.randn(numel, generator=torch.Generator().manual_seed(1000 + r)).to(dtype)
-                                for r in ranks])
-        expected_rows.append(torch.equal(through_shared, expected))
+        expected_rows.append(torch.equal(through_shared, torch.stack([_row(r, dtype, numel) for r in ranks])))
     return {"shared": opened is not None, "gloo": opened_gloo is None, "same": same, "expected": expected_rows,
             "held": shared_memory.held_bytes(), "usable": usable}
 
