@@ -126,7 +126,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import compshard  # noqa: E402
-from compshard.ops import all_gather_rows, sum_rows  # noqa: E402
+from compshard.ops import all_gather_rows, exchange_rows, sum_rows  # noqa: E402
 from harness import (  # noqa: E402
     COMPSHARD_SYSTEMS, SYSTEMS, Result, mib, progress, train, start_workload,
     wrap_fsdp2, write_results,
@@ -147,8 +147,8 @@ class Collective:
 
     kind: str  # "all_gather", "reduce_scatter" or "all_reduce"
     nbytes: int
-    # compshard on gloo: "all_to_all_single", a reduce-scatter run as an all-to-all and a
-    # local sum; "gather_rows_", an all-gather run as sends and receives of the rows. "": torch's.
+    # compshard on gloo: "exchange_rows_", a reduce-scatter run as an in-place all-to-all and
+    # a local sum; "gather_rows_", an all-gather run in place. "": torch's.
     op: str = ""
 
 
@@ -160,7 +160,7 @@ def compshard_collectives(reference: nn.Module, batch: tuple[torch.Tensor, ...],
     model = compshard.shard(copy.deepcopy(reference).to(batch[0].device))
     report = compshard.inspect(model, *batch, options=options)
     torch._dynamo.reset()
-    return [Collective(c["kind"], c["bytes"], c["op"] if c["op"] in ("all_to_all_single", "gather_rows_") else "")
+    return [Collective(c["kind"], c["bytes"], c["op"] if c["op"] in ("exchange_rows_", "gather_rows_") else "")
             for c in report.collectives if c["kind"] != "free"]
 
 
@@ -218,7 +218,6 @@ def replay_seconds(collectives: list[Collective], device: torch.device, repeats:
     numels = [math.ceil(c.nbytes / element / world_size) * world_size for c in collectives]
     full = torch.zeros(max(numels, default=0), dtype=REPLAY_DTYPE, device=device)
     shard = torch.zeros(full.numel() // world_size, dtype=REPLAY_DTYPE, device=device)
-    received = torch.zeros_like(full) if any(c.op == "all_to_all_single" for c in collectives) else None
     group_name = dist.group.WORLD.group_name
 
     def replay() -> None:
@@ -227,9 +226,9 @@ def replay_seconds(collectives: list[Collective], device: torch.device, repeats:
                 all_gather_rows(full[:numel], world_size, group_name)
             elif collective.kind == "all_gather":
                 ALL_GATHER(full[:numel], shard[: numel // world_size])
-            elif collective.op == "all_to_all_single":
-                dist.all_to_all_single(received[:numel], full[:numel])
-                sum_rows(received[:numel].view(world_size, -1), out=shard[: numel // world_size])
+            elif collective.op == "exchange_rows_":
+                received = exchange_rows(full[:numel], world_size, group_name)
+                sum_rows(received.view(world_size, -1), out=shard[: numel // world_size])
             elif collective.kind == "reduce_scatter":
                 REDUCE_SCATTER(shard[: numel // world_size], full[:numel])
             elif collective.kind == "all_reduce":

@@ -20,6 +20,11 @@
     rank and receives theirs. Returns ``buffer``; ``_c10d_functional.wait_tensor`` on it
     waits for every send and receive. Where the group's ranks share a host, the rows go
     through shared memory instead (:mod:`compshard.shared_memory`).
+``compshard::exchange_rows_(buffer)``
+    Starts the all-to-all of a sum reduce-scatter run as an exchange on gloo (see
+    :func:`reduce_scatters_by_exchange`), in place: row ``p`` of the rank-major
+    ``buffer``, what this rank sends rank ``p``, becomes what rank ``p`` sends this
+    rank. Returns ``buffer``; ``wait_tensor`` on it waits for the exchange.
 ``compshard::free(buffer)``
     Releases a gathered buffer's storage. Only the backend inserts it, after the last use
     of every alias of the buffer.
@@ -150,10 +155,15 @@ def backend_name(group_name: str, device: torch.device) -> str | None:
 
 def reduce_scatters_by_exchange(group_name: str, device: torch.device) -> bool:
     """Whether a sum reduce-scatter on this group is run as an all-to-all of the rank-major
-    buffer followed by a local sum of the ``world_size`` received rows. gloo (torch 2.11 to
-    2.13) runs ``reduce_scatter_tensor`` as an all-reduce of the whole buffer, which moves
-    twice the bytes of the all-to-all and reduces every element on every rank; measured
-    on 2 CPU cores, the exchange and sum took 0.5 to 0.65x its time from 8 MiB up.
+    buffer (``compshard::exchange_rows_``, in place) followed by a local sum of the
+    ``world_size`` received rows. gloo (torch 2.11 to 2.13) runs ``reduce_scatter_tensor``
+    as an all-reduce of the whole buffer, which moves twice the bytes of the all-to-all
+    and reduces every element on every rank; measured on 2 CPU cores, gloo's all-to-all
+    and the sum took 0.5 to 0.65x its time from 8 MiB up. Where the group's ranks share a
+    host the exchange goes through shared memory (:mod:`compshard.shared_memory`): at 2
+    ranks, a fresh buffer of 6.6, 27 and 47 MiB took 1.1, 8.7 and 6.5 ms against 5.7,
+    26.8 and 47.0 ms through gloo's all-to-all (with its fresh output). Elsewhere gloo's
+    all-to-all receives into a temporary that the wait copies back.
     The sum adds the ranks' rows in rank order: at two ranks the result is the same
     bits (addition commutes); with more, the order may differ from gloo's."""
     return backend_name(group_name, device) == "gloo"
@@ -205,6 +215,50 @@ def _gather_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> tor
 @torch.library.register_fake("compshard::gather_rows_")
 def _(buffer, world_size, group_name):
     return buffer
+
+
+torch.library.define("compshard::exchange_rows_",
+                     "(Tensor(a!) buffer, int world_size, str group_name) -> Tensor(a!)")
+
+
+@torch.library.impl("compshard::exchange_rows_", "CompositeExplicitAutograd")
+def _exchange_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    rows = buffer.view(world_size, -1)
+    group = resolve_group(group_name)
+    shared = shared_rows(group)
+    if shared is not None:
+        work = shared.start_all_to_all(rows)
+    else:  # gloo's all-to-all cannot receive into the buffer it sends from
+        received = torch.empty_like(buffer)
+        work = _CopiedBack(group.alltoall_base(received, buffer, [], []), received, buffer)
+    torch._C._distributed_c10d._register_work(buffer, work)
+    return buffer
+
+
+@torch.library.register_fake("compshard::exchange_rows_")
+def _(buffer, world_size, group_name):
+    return buffer
+
+
+def exchange_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
+    """``buffer`` (``world_size`` equal rows, row ``p`` for rank ``p``) with row ``p``
+    replaced by what rank ``p`` sent this rank, waited: in place, as the compiled
+    backward exchanges (``compshard::exchange_rows_``)."""
+    return _c10d.wait_tensor(torch.ops.compshard.exchange_rows_(buffer, world_size, group_name))
+
+
+class _CopiedBack(dist.Work):
+    """A collective's work that, waited, copies what it received into the buffer the
+    graph waits on."""
+
+    def __init__(self, work: dist.Work, received: torch.Tensor, buffer: torch.Tensor) -> None:
+        super().__init__()
+        self._work, self._received, self._buffer = work, received, buffer
+
+    def wait(self, timeout: object = None) -> bool:  # noqa: ARG002 - the process group's own timeout applies
+        self._work.wait()
+        self._buffer.copy_(self._received)
+        return True
 
 
 def all_gather_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
@@ -347,7 +401,7 @@ def sum_over_ranks(flat: torch.Tensor, layout: ShardLayout, group_name: str, rep
     """This rank's rows of ``layout`` (flattened) of the sum of ``flat`` (a full tensor,
     flattened) over the ranks of ``group_name`` and then the replicas of
     ``replicate_group``: ``reduce_grad``'s collectives, waited, without its division and
-    casts. ``flat`` itself when there is no other rank."""
+    casts. ``flat`` itself when there is no other rank; the reduction may overwrite it."""
     if layout.world_size > 1 and layout.replicated:
         flat = _c10d.wait_tensor(_c10d.all_reduce(flat, "sum", group_name))
     elif layout.world_size > 1:
@@ -361,12 +415,11 @@ def sum_over_ranks(flat: torch.Tensor, layout: ShardLayout, group_name: str, rep
 def reduce_scatter_sum(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     """This rank's row of the sum over ranks of the rank-major ``buffer`` (``world_size``
     rows), waited: a reduce-scatter, or the exchange and sum of
-    :func:`reduce_scatters_by_exchange`, as the compiled backward runs it."""
+    :func:`reduce_scatters_by_exchange`, as the compiled backward runs it. The exchange
+    overwrites ``buffer``."""
     if not reduce_scatters_by_exchange(group_name, buffer.device):
         return _c10d.wait_tensor(_c10d.reduce_scatter_tensor(buffer, "sum", world_size, group_name))
-    rows = [buffer.numel() // world_size] * world_size
-    received = _c10d.wait_tensor(_c10d.all_to_all_single(buffer, rows, rows, group_name))
-    return sum_rows(received.view(world_size, -1))
+    return sum_rows(exchange_rows(buffer, world_size, group_name).view(world_size, -1))
 
 
 def sum_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

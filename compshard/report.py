@@ -54,7 +54,7 @@ class Report:
         collectives: one dict per collective start or free, in graph order, with keys
             ``graph``, ``kind``, ``unit`` (the module of its first parameter), ``bytes``,
             ``params``, ``node``, ``op`` (the operator that runs it, e.g.
-            ``"reduce_scatter_tensor"``, or ``"all_to_all_single"`` for a reduce-scatter
+            ``"reduce_scatter_tensor"``, or ``"exchange_rows_"`` for a reduce-scatter
             run as an exchange on gloo), ``bucket`` (the bucket names joined by ``+``
             when buckets share the collective) and, for frees, ``of`` (``"buffer"``: the
             all-gather output, ``"params"``: the bucket's unpacked parameters).

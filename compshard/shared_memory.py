@@ -1,18 +1,21 @@
-"""All-gathers through shared memory between the ranks of a gloo group on one host.
+"""All-gathers and all-to-alls through shared memory between the ranks of a gloo group on one host.
 
 gloo moves every byte through TCP on the loopback device: the sender's kernel copies it
 out of the process, the receiver's copies it in, and gloo's threads take CPU time from
 compute for it. Ranks on one host can instead exchange rows through one shared-memory
-file that every rank maps: a rank copies its row into its slot and marks it ready, every
-other rank copies it out (``compshard::gather_rows_`` uses this where it can).
+file that every rank maps: a rank copies its piece into its slot and marks it ready,
+the others copy it out (``compshard::gather_rows_`` and ``compshard::exchange_rows_`` use
+this where they can).
 
 Protocol, per group: each rank owns two slots of :data:`SLOT_BYTES` and two int64
-counters, ``ready`` and ``read``. A row longer than a slot goes in rounds of one slot.
-Round ``k`` uses slot ``k % 2``: a rank first waits until every rank has read its round
-``k - 2`` (the last use of that slot), copies its piece in and sets ``ready = k``; then,
-for each other rank, waits for its ``ready >= k`` and copies its piece out; then sets
-``read = k``. So one rank may fill round ``k + 1`` while the others still read round
-``k``. Every rank runs the same rounds in the same order, as every rank issues the same
+counters, ``ready`` and ``read``. Rows longer than a slot's piece go in rounds. Round
+``k`` uses slot ``k % 2``: a rank first waits until every rank has read its round
+``k - 2`` (the last use of that slot), copies its pieces in and sets ``ready = k``;
+then, for each other rank, waits for its ``ready >= k`` and copies its piece out; then
+sets ``read = k``. An all-gather's piece is the next slot's worth of this rank's row,
+the same for every reader; an all-to-all's slot holds one piece for each other rank.
+So one rank may fill round ``k + 1`` while the others still read round ``k``. Every
+rank runs the same rounds in the same order, as every rank issues the same
 collectives. The ordering of the copies and the counters relies on x86-64's stores and
 loads staying in program order (TSO), so other machines keep gloo. A wait polls,
 yielding the core, for up to :data:`SPIN_SECONDS`, then sleeps in growing steps up to
@@ -24,15 +27,15 @@ cores a rank may run on, the machine is x86-64, ``COMPSHARD_SHARED_MEMORY`` is n
 ``0``, every rank can open the file that rank 0 creates under ``/dev/shm`` and read
 back the token rank 0 wrote into it (so they share it: one host, one ``/dev/shm``),
 and every rank sees every other's process id.
-Decided once per group, collectively, on the group's first all-gather (every rank
-gathers on each group in the same order); rank 0 unlinks the file as soon as every rank
+Decided once per group, collectively, on the group's first exchange (every rank
+exchanges on each group in the same order); rank 0 unlinks the file as soon as every rank
 has mapped it, so none is left behind.
 
 Memory: ``2 * SLOT_BYTES`` a rank (:func:`held_bytes`), for the life of the process,
-whatever the size of the gathers; the bits gathered are the same as gloo's.
+whatever the size of the exchanges; the bits exchanged are the same as gloo's.
 The exchanges run on one thread per group, in the order they were started, as gloo's
-run on its own threads: the all-gather's start queues it, its ``wait_tensor`` waits for
-it (``start_all_gather``), so compute goes on meanwhile.
+run on its own threads: the op's start queues it, its ``wait_tensor`` waits for it
+(``start_all_gather``, ``start_all_to_all``), so compute goes on meanwhile.
 """
 
 from __future__ import annotations
@@ -53,6 +56,7 @@ SLOT_BYTES = 1 << 18  # 256 KiB: two a rank keep the memory held small beside th
 SPIN_SECONDS = 2e-3  # ranks issue the same collectives, so most waits end within this
 WAIT_SECONDS = 300.0
 _COUNTERS = 2  # ready, read
+_ALIGN = 64  # an all-to-all's pieces start on cache lines
 _TOKEN_BYTES = 16
 
 # process group -> its exchange (None: gloo's); weak, since a destroyed group's name may be reused
@@ -72,6 +76,7 @@ class SharedRows:
         self._round = int(self._counters[rank, 0])
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compshard-shared-memory")
         self._failed: BaseException | None = None
+        self._peers = [(rank + step) % world_size for step in range(1, world_size)]
 
     @staticmethod
     def nbytes(world_size: int) -> int:
@@ -80,39 +85,79 @@ class SharedRows:
 
     def start_all_gather(self, rows: torch.Tensor) -> dist.Work:
         """Start :meth:`all_gather` of ``rows`` on this group's exchange thread, after the
-        ones started before it (so every rank runs the same rounds in the same order);
-        the returned work's ``wait`` waits for it and raises what it raised."""
+        exchanges started before it (so every rank runs the same rounds in the same
+        order); the returned work's ``wait`` waits for it and raises what it raised."""
         return _ExchangeWork(self._thread.submit(self.all_gather, rows))
+
+    def start_all_to_all(self, rows: torch.Tensor) -> dist.Work:
+        """:meth:`start_all_gather`, for :meth:`all_to_all`."""
+        return _ExchangeWork(self._thread.submit(self.all_to_all, rows))
 
     def all_gather(self, rows: torch.Tensor) -> None:
         """Fill every other rank's row of ``rows`` (``world_size`` rows, contiguous, this
         rank's filled) with that rank's row, in place; blocking, one call at a time (the
-        exchange thread's). After a failed exchange the group's rounds are out of step,
-        so every later call raises."""
+        exchange thread's)."""
+        data = self._bytes(rows)
+        mine = data[self.rank]
+
+        def fill(slot: torch.Tensor, start: int, length: int) -> None:
+            slot[:length].copy_(mine[start:start + length])
+
+        def drain(peer: int, slot: torch.Tensor, start: int, length: int) -> None:
+            data[peer, start:start + length].copy_(slot[:length])
+
+        self._exchange(data.shape[1], SLOT_BYTES, fill, drain)
+
+    def all_to_all(self, rows: torch.Tensor) -> None:
+        """Replace row ``p`` of ``rows`` (``world_size`` rows, contiguous: row ``p`` is
+        what this rank sends rank ``p``) with what rank ``p`` sends this rank, in place:
+        afterwards row ``p`` is rank ``p``'s row ``rank`` (an all-to-all of equal splits,
+        received in rank order; this rank's own row stays). Blocking, as
+        :meth:`all_gather`. Each round's slot holds one piece for each other rank."""
+        data = self._bytes(rows)
+        others = self.world_size - 1
+        piece = max(SLOT_BYTES // others // _ALIGN * _ALIGN, _ALIGN)
+
+        def place(sender: int, receiver: int) -> int:  # where ``sender``'s slot holds ``receiver``'s piece
+            return (receiver - sender - 1) % self.world_size * piece
+
+        def fill(slot: torch.Tensor, start: int, length: int) -> None:
+            for peer in self._peers:
+                at = place(self.rank, peer)
+                slot[at:at + length].copy_(data[peer, start:start + length])
+
+        def drain(peer: int, slot: torch.Tensor, start: int, length: int) -> None:
+            at = place(peer, self.rank)  # read before this rank's row is overwritten: fill ran first
+            data[peer, start:start + length].copy_(slot[at:at + length])
+
+        self._exchange(data.shape[1], piece, fill, drain)
+
+    def _bytes(self, rows: torch.Tensor) -> torch.Tensor:
+        return rows.reshape(-1).view(torch.uint8).view(self.world_size, -1)
+
+    def _exchange(self, row_bytes: int, piece_bytes: int, fill, drain) -> None:
+        """Rounds of ``piece_bytes`` of each row (see the module docstring): ``fill(slot,
+        start, length)`` puts this rank's pieces into its slot, ``drain(peer, slot, start,
+        length)`` takes this rank's from a peer's. After a failed exchange the group's
+        rounds are out of step, so every later call raises."""
         if self._failed is not None:
-            raise RuntimeError(f"compshard: an earlier shared-memory all-gather of this group failed: {self._failed}")
+            raise RuntimeError(f"compshard: an earlier shared-memory exchange of this group failed: {self._failed}")
         try:
-            self._all_gather(rows)
+            for start in range(0, row_bytes, piece_bytes):
+                length = min(piece_bytes, row_bytes - start)
+                self._round += 1
+                round_, slot = self._round, self._round % 2
+                for peer in self._peers:  # the slot's last use was round - 2
+                    self._wait(peer, 1, round_ - 2)
+                fill(self._slots[self.rank, slot], start, length)
+                self._counters[self.rank, 0] = round_
+                for peer in self._peers:
+                    self._wait(peer, 0, round_)
+                    drain(peer, self._slots[peer, slot], start, length)
+                self._counters[self.rank, 1] = round_
         except BaseException as error:
             self._failed = error
             raise
-
-    def _all_gather(self, rows: torch.Tensor) -> None:
-        data = rows.reshape(-1).view(torch.uint8).view(self.world_size, -1)
-        row_bytes = data.shape[1]
-        peers = [(self.rank + step) % self.world_size for step in range(1, self.world_size)]
-        for start in range(0, row_bytes, SLOT_BYTES):
-            length = min(SLOT_BYTES, row_bytes - start)
-            self._round += 1
-            round_, slot = self._round, self._round % 2
-            for peer in peers:  # the slot's last use was round - 2
-                self._wait(peer, 1, round_ - 2)
-            self._slots[self.rank, slot, :length].copy_(data[self.rank, start:start + length])
-            self._counters[self.rank, 0] = round_
-            for peer in peers:
-                self._wait(peer, 0, round_)
-                data[peer, start:start + length].copy_(self._slots[peer, slot, :length])
-            self._counters[self.rank, 1] = round_
 
     def _wait(self, peer: int, counter: int, value: int) -> None:
         """Until ``peer``'s counter reaches ``value``: polling (yielding the core) for up to
@@ -128,10 +173,10 @@ class SharedRows:
                 continue
             if waited > self.wait_seconds:
                 raise RuntimeError(
-                    f"compshard: rank {peer} of a shared-memory all-gather did not reach round {value} within "
+                    f"compshard: rank {peer} of a shared-memory exchange did not reach round {value} within "
                     f"{self.wait_seconds:g} s (the ranks issued different collectives?)")
             if not _alive(self.pids[peer]):
-                raise RuntimeError(f"compshard: rank {peer} of a shared-memory all-gather exited "
+                raise RuntimeError(f"compshard: rank {peer} of a shared-memory exchange exited "
                                    f"(process {self.pids[peer]}) before it reached round {value}")
             time.sleep(pause)
             pause = min(2 * pause, 2e-4)

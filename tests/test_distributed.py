@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import compshard
-from compshard import cost_model, ops
+from compshard import cost_model, ops, shared_memory
 from compshard.compile_plan import COLLECTIVE_KINDS, NodeMeta, node_meta
 from compshard.passes.fx_utils import aliases, gathered_buffers
 from tests.allocations import allocations, peak_rise
@@ -187,12 +187,10 @@ def _gather_index(graph) -> dict[str, int]:
 
 
 def _scratch_check(world_size: int) -> dict:
-    """Bytes gloo allocates for itself during an all-gather, the sends and receives that
-    run compshard's all-gathers on gloo, and a reduce-scatter (profiler allocation events,
-    the output excluded), and for the all-to-all that runs
-    compshard's reduce-scatters on gloo the bytes still live beyond its output after the
-    graph's last use of its input (the input dropped right after the start, a marker
-    allocated before the wait), against the memory estimate's figure."""
+    """Bytes gloo allocates for itself during an all-gather, the in-place all-gather and
+    all-to-all that run compshard's all-gathers and reduce-scatters on gloo, and a
+    reduce-scatter (profiler allocation events, the output excluded), against the memory
+    estimate's figure."""
     from torch.distributed.distributed_c10d import _get_default_group
     from compshard.passes.memory_model import backend_scratch_bytes
     from compshard.passes.fx_utils import c10d
@@ -203,50 +201,24 @@ def _scratch_check(world_size: int) -> dict:
                             {"out": torch.empty(4096 * world_size)}),
              "gather_rows": (torch.ops.compshard.gather_rows_.default, (full, world_size, group), {}),
              "reduce_scatter": (c10d.reduce_scatter_tensor.default, (full, "sum", world_size, group), {}),
-             "exchange": (c10d.all_to_all_single.default, (full, [4096] * world_size, [4096] * world_size, group),
-                          {})}
+             "exchange_rows": (torch.ops.compshard.exchange_rows_.default, (full, world_size, group), {})}
     found = {}
     for kind, (op, args, kwargs) in cases.items():
         graph = torch.fx.Graph()
         inputs = [graph.placeholder(f"x{i}") for i, _ in enumerate(args[:1])]
         inputs[0].meta["val"] = args[0]
         start = graph.call_function(op, (inputs[0], *args[1:]), kwargs)
-        output = {"all_gather": None, "gather_rows": None, "reduce_scatter": torch.empty(4096),
-                  "exchange": torch.empty_like(full)}[kind]  # None: in place, no output allocated
-        scheduled_as = {"exchange": "reduce_scatter", "gather_rows": "all_gather"}.get(kind, kind)
+        output = {"reduce_scatter": torch.empty(4096)}.get(kind)  # None: in place, no output allocated
+        scheduled_as = {"exchange_rows": "reduce_scatter", "gather_rows": "all_gather"}.get(kind, kind)
         in_place = kwargs.get("out", args[0])  # the tensor an in-place start writes
         start.meta.update(val=in_place if output is None else output, compshard=NodeMeta(scheduled_as, ("p",)))
         graph.call_function(c10d.wait_tensor.default, (start,))
         output = 0 if output is None else output.nbytes
-        if kind == "exchange":
-            found[kind] = (_held_until_wait(op, args, output), backend_scratch_bytes(start))
-            continue
         run = lambda: c10d.wait_tensor.default(op(*args, **kwargs))  # noqa: E731
         run()
         allocated = sum(size for size in allocations(run) if size > 0)
         found[kind] = (allocated - output, backend_scratch_bytes(start))
     return found
-
-
-MARKER_BYTES = 12345  # an allocation no collective makes
-
-
-def _held_until_wait(op, args: tuple, output_bytes: int) -> int:
-    """Bytes live beyond the collective's output just before its wait, when the input
-    (a fresh copy of ``args[0]``) loses its last reference right after the start."""
-    from compshard.passes.fx_utils import c10d
-
-    def run() -> None:
-        source = args[0].clone()
-        started = op(source, *args[1:])
-        del source
-        torch.empty(MARKER_BYTES, dtype=torch.uint8)
-        c10d.wait_tensor.default(started)
-
-    run()
-    sizes = allocations(run)
-    before_wait = sizes[:sizes.index(MARKER_BYTES)]
-    return sum(before_wait) - output_bytes  # the input's bytes stay in the sum unless it was freed
 
 
 def _step_peaks(rank: int, world_size: int) -> dict:
@@ -330,7 +302,7 @@ def _auto_budget(model, batch: tuple, rank: int, world_size: int) -> dict:
 
 
 def schedule_worker(rank: int, world_size: int) -> dict:
-    results = {"scratch": _scratch_check(world_size)}
+    results = {"scratch": _scratch_check(world_size), "shared_memory": shared_memory.usable_here(world_size)}
     model, batch = make_model("gpt")
     local = tuple(t.chunk(world_size)[rank] for t in batch)
     report = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, profile=True)
@@ -345,13 +317,14 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         torch.ops._c10d_functional.all_gather_into_tensor(buffer[:1000], world_size, group))
     results["gather_rows_equal_all_gather"] = torch.equal(ops.all_gather_rows(rows.view(-1), world_size, group),
                                                              expected_rows)
-    summed = ops.reduce_scatter_sum(buffer, world_size, group)
+    summed = ops.reduce_scatter_sum(buffer.clone(), world_size, group)
     results["exchange_equals_reduce_scatter"] = torch.equal(
         summed,
         torch.ops._c10d_functional.wait_tensor(
             torch.ops._c10d_functional.reduce_scatter_tensor(buffer, "sum", world_size, group)))
-    received = torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.all_to_all_single(buffer, [1000] * world_size, [1000] * world_size, group))
+    received = ops.exchange_rows(buffer.clone(), world_size, group)
+    results["exchange_equals_all_to_all"] = torch.equal(received, torch.ops._c10d_functional.wait_tensor(
+        torch.ops._c10d_functional.all_to_all_single(buffer, [1000] * world_size, [1000] * world_size, group)))
     shard_numels, local_numels = [300, 500, 200], [300, 450, 200]  # three parameters, one short of its rows
     results["unpack_sums_exchanged_rows"] = all(
         torch.equal(unpacked, expected)
@@ -502,7 +475,9 @@ def test_memory_estimate_counts_the_backend_scratch_of_collectives(schedule_resu
     for result in schedule_results:
         for kind, (measured, estimated) in result["scratch"].items():
             assert estimated == measured, (kind, measured, estimated)
-            assert (measured == 0) if kind == "gather_rows" else (measured > 0), (kind, measured)
+            # in place: nothing; the all-to-all receives into a temporary where shared memory is not used
+            in_place = kind == "gather_rows" or (kind == "exchange_rows" and result["shared_memory"])
+            assert (measured == 0) if in_place else (measured > 0), (kind, measured)
 
 
 def test_all_gathers_on_gloo_are_sends_and_receives_into_the_rows(schedule_results):
@@ -516,11 +491,13 @@ def test_all_gathers_on_gloo_are_sends_and_receives_into_the_rows(schedule_resul
 
 def test_reduce_scatters_on_gloo_are_exchanges_summed_locally(schedule_results):
     """gloo runs a reduce-scatter as an all-reduce (twice the bytes); compshard's compiled
-    backward and eager reduce_grad exchange rows with an all-to-all and sum them, with
+    backward and eager reduce_grad exchange rows with an all-to-all in place (the bits of
+    gloo's all-to-all) and sum them, with
     the same bits at two ranks. The compiled unpack sums the received rows parameter by
     parameter as it unpacks them (and casts): the same bits as eager's sum unpacked."""
     for result in schedule_results:
-        assert result["reduce_ops"] == ["all_to_all_single"], result["reduce_ops"]
+        assert result["reduce_ops"] == ["exchange_rows_"], result["reduce_ops"]
+        assert result["exchange_equals_all_to_all"]
         assert result["exchange_equals_reduce_scatter"]
         assert result["unpack_sums_exchanged_rows"]
 

@@ -18,6 +18,7 @@ from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
 from compshard.cost_model import Costs
 from compshard.hardware import Measured
 from compshard.models import GPT, GPTConfig
+from compshard.passes import memory_model
 from tests.distributed import run_distributed
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
@@ -130,19 +131,27 @@ def test_planning_in_a_subprocess_leaves_no_semaphore_behind(tmp_path):
 GATHER_BOUND_GPT = GPTConfig(vocab_size=256, block_size=2, n_layer=2, n_head=4, n_embd=256)
 
 
-def test_plan_counts_the_scratch_gloo_holds_for_collectives_in_flight():
-    """gloo's all-to-all holds its input (the packed gradients) until the wait
-    (``memory_model.backend_scratch_bytes``); NCCL holds none. The plan's breakdown was
-    read after its fake process groups were gone, and then counted none of it (the
-    width-384 GPT at 4 ranks: 11 MiB, 10.6%, under its measured peak). The plan builds
-    each backend's collectives: on gloo a reduce-scatter is an all-to-all and a local sum
-    and an all-gather sends and receives of the rows, on NCCL they are NCCL's own."""
+def test_plan_counts_the_scratch_gloo_holds_for_collectives_in_flight(monkeypatch):
+    """The in-place all-to-all of a reduce-scatter on gloo holds every rank's rows of its
+    buffer until the unpack, where NCCL's reduce-scatter output is one row; where the
+    ranks do not exchange through shared memory, gloo also receives into a temporary of
+    the buffer's size until the wait (``memory_model.backend_scratch_bytes``). The plan's
+    breakdown was read after its fake process groups were gone, and then counted none of
+    that (the width-384 GPT at 4 ranks: 11 MiB, 10.6%, under its measured peak). The plan
+    builds each backend's collectives: on gloo a reduce-scatter is an all-to-all and a
+    local sum and an all-gather sends and receives of the rows, on NCCL they are NCCL's
+    own."""
     model = _meta_gpt(GATHER_BOUND_GPT)
     x, y = _local_batch(GATHER_BOUND_GPT, 0, 4)
-    on_gloo, on_nccl = (compshard.plan(model, x, y, world_size=4, hardware=Measured(Costs(), backend))
-                        for backend in ("gloo", "nccl"))
-    assert on_gloo.memory.collective_buffers > on_nccl.memory.collective_buffers, (on_gloo.memory, on_nccl.memory)
-    for report, ops in ((on_gloo, {"reduce_scatter": "all_to_all_single", "all_gather": "gather_rows_"}),
+
+    def planned(backend: str, shared_memory: bool):
+        monkeypatch.setattr(memory_model, "usable_here", lambda world_size: shared_memory)
+        return compshard.plan(model, x, y, world_size=4, hardware=Measured(Costs(), backend))
+
+    through_gloo, through_shared, on_nccl = planned("gloo", False), planned("gloo", True), planned("nccl", True)
+    buffers = [report.memory.collective_buffers for report in (through_gloo, through_shared, on_nccl)]
+    assert buffers[0] > buffers[1] > buffers[2], buffers
+    for report, ops in ((through_gloo, {"reduce_scatter": "exchange_rows_", "all_gather": "gather_rows_"}),
                         (on_nccl, {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor_out"})):
         for kind, op in ops.items():
             assert {c["op"] for c in report.schedule.collectives if c["kind"] == kind} == {op}, kind
@@ -165,7 +174,7 @@ def test_measured_plan_scales_each_graphs_op_timings_to_its_run_end_to_end(monke
     report = compshard.plan(model, *_local_batch(GATHER_BOUND_GPT, 0, 2), world_size=2,
                             hardware=Measured(Costs(), "gloo"))
     assert set(runs) == set(report.schedule.graphs.values())
-    ops = ("all_to_all_single", "gather_rows_")
+    ops = ("exchange_rows_", "gather_rows_")
     for kind, gm in report.schedule.graphs.items():
         assert any(op in str(node.target) for node in gm.graph.nodes for op in ops), kind
         assert runs[gm] is not None and runs[gm] > 0, kind

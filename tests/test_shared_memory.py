@@ -1,7 +1,7 @@
-"""All-gathers through shared memory (compshard.shared_memory): the same bits as gloo's
-sends and receives at 2 and 4 ranks, in rounds of several slots, fp32 and bf16; the
-decision per group (COMPSHARD_SHARED_MEMORY=0 keeps gloo); waits that end with an error,
-never a hang, when a rank is late or gone."""
+"""All-gathers and all-to-alls through shared memory (compshard.shared_memory): the same
+bits as gloo's at 2 and 4 ranks, in rounds of several slots, fp32 and bf16; the decision
+per group (COMPSHARD_SHARED_MEMORY=0 keeps gloo); waits that end with an error, never a
+hang, when a rank is late or gone."""
 
 from __future__ import annotations
 
@@ -35,34 +35,60 @@ def _gather(group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> torch.T
     return ops.all_gather_rows(buffer.view(-1), world_size, group.group_name).view(world_size, numel)
 
 
+def _piece(sender: int, receiver: int, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """What rank ``sender`` sends rank ``receiver`` in an all-to-all."""
+    return _row(16 * sender + receiver, dtype, numel)
+
+
+def _exchange_rows(group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    world_size, rank = group.size(), group.rank()
+    buffer = torch.stack([_piece(rank, receiver, dtype, numel) for receiver in range(world_size)])
+    return ops.exchange_rows(buffer.view(-1), world_size, group.group_name).view(world_size, numel)
+
+
+def _new_group(ranks: list[int], environment: str | None = None, *, force: bool = False) -> tuple:
+    """A gloo group and its shared-memory exchange (None: gloo's), with
+    ``COMPSHARD_SHARED_MEMORY`` set to ``environment`` while it opens; ``force``: used
+    even where this machine has fewer cores than ranks (slow, but the protocol is the
+    same), so that 4 ranks exercise it on 2 cores."""
+    group = dist.new_group(ranks, backend="gloo")
+    usable = shared_memory.usable_here
+    if environment is not None:
+        os.environ["COMPSHARD_SHARED_MEMORY"] = environment
+    if force:
+        shared_memory.usable_here = lambda world_size: True
+    try:
+        return group, shared_memory.shared_rows(group)
+    finally:
+        shared_memory.usable_here = usable
+        os.environ.pop("COMPSHARD_SHARED_MEMORY", None)
+
+
 def _shared_memory_worker(rank: int, world_size: int) -> dict:
     ranks = list(range(world_size))
-    shared_group = dist.new_group(ranks, backend="gloo")
-    opened = shared_memory.shared_rows(shared_group)
-    usable = shared_memory.usable_here(world_size)
-    os.environ["COMPSHARD_SHARED_MEMORY"] = "0"
-    try:
-        gloo_group = dist.new_group(ranks, backend="gloo")
-        opened_gloo = shared_memory.shared_rows(gloo_group)
-    finally:
-        del os.environ["COMPSHARD_SHARED_MEMORY"]
+    _, decided = _new_group(ranks)
+    shared_group, forced = _new_group(ranks, force=True)
+    gloo_group, opened_gloo = _new_group(ranks, "0")
     same, expected_rows = [], []
     for dtype, numel in CASES:
-        through_shared = _gather(shared_group, dtype, numel)
-        through_gloo = _gather(gloo_group, dtype, numel)
-        same.append(torch.equal(through_shared.view(torch.uint8), through_gloo.view(torch.uint8)))
-        expected_rows.append(torch.equal(through_shared, torch.stack([_row(r, dtype, numel) for r in ranks])))
-    return {"shared": opened is not None, "gloo": opened_gloo is None, "same": same, "expected": expected_rows,
-            "held": shared_memory.held_bytes(), "usable": usable}
+        for exchange, expected in ((_gather, [_row(r, dtype, numel) for r in ranks]),
+                                   (_exchange_rows, [_piece(r, rank, dtype, numel) for r in ranks])):
+            through_shared = exchange(shared_group, dtype, numel)
+            through_gloo = exchange(gloo_group, dtype, numel)
+            same.append(torch.equal(through_shared.view(torch.uint8), through_gloo.view(torch.uint8)))
+            expected_rows.append(torch.equal(through_shared.view(torch.uint8), torch.stack(expected).view(torch.uint8)))
+    return {"shared": decided is not None, "forced": forced is not None, "gloo": opened_gloo is None, "same": same,
+            "expected": expected_rows, "held": shared_memory.held_bytes(), "usable": shared_memory.usable_here(world_size)}
 
 
 @pytest.mark.parametrize("world_size", [2, 4])
-def test_shared_memory_gathers_the_bits_gloo_gathers(world_size):
+def test_shared_memory_exchanges_the_bits_gloo_exchanges(world_size):
     for rank, got in enumerate(run_distributed(_shared_memory_worker, world_size)):
         assert got["gloo"], f"rank {rank}: COMPSHARD_SHARED_MEMORY=0 must keep gloo"
         # ranks spawned on one host share /dev/shm: where this machine allows it, they must use it
         assert got["shared"] == got["usable"], f"rank {rank}: shared memory {got['shared']}, usable {got['usable']}"
-        assert got["held"] == (2 * SLOT_BYTES if got["shared"] else 0)
+        assert got["forced"], f"rank {rank}: a group that may use shared memory on this host must"
+        assert got["held"] == 2 * SLOT_BYTES * (1 + got["shared"])
         assert all(got["same"]), f"rank {rank}: {got['same']}"
         assert all(got["expected"]), f"rank {rank}: {got['expected']}"
 
@@ -78,10 +104,10 @@ def test_a_wait_for_a_late_rank_ends_in_an_error(tmp_path):
     with pytest.raises(RuntimeError, match="did not reach round 1 within"):
         exchange.all_gather(torch.zeros(2, 4))
     # its rounds are out of step now: a later exchange, started on the group's thread (as
-    # gather_rows_ starts it), raises too, and the error reaches wait_tensor
+    # exchange_rows_ starts it), raises too, and the error reaches wait_tensor
     rows = torch.zeros(2, 4)
-    torch._C._distributed_c10d._register_work(rows, exchange.start_all_gather(rows))
-    with pytest.raises(RuntimeError, match="earlier shared-memory all-gather of this group failed"):
+    torch._C._distributed_c10d._register_work(rows, exchange.start_all_to_all(rows))
+    with pytest.raises(RuntimeError, match="earlier shared-memory exchange of this group failed"):
         torch.ops._c10d_functional.wait_tensor(rows)
 
 

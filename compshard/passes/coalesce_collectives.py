@@ -105,7 +105,8 @@ class _Lowered:
     wait: int
     unpack: int
     buffer: int  # all-gather: the gathered buffer; reduce-scatter: the packed input
-    output: int  # reduce-scatter: its output, held to the unpack (on gloo the rows the unpack sums); all-gather: 0
+    in_place: bool  # the buffer is held to the unpack (all-gathers; exchanges on gloo), else to the start
+    output: int  # a reduce-scatter's output, not in place: held from the start to the unpack
     scratch_per_byte: int  # the backend's scratch, per byte of ``buffer``
     unpacked: list[tuple[int, int]]  # (bytes, index after which it dies) per unpacked tensor
     front: list[int] = field(default_factory=list)
@@ -167,16 +168,15 @@ class PeakModel:
             buffer = nbytes(pack.meta["val"])
             scratch = backend_scratch_bytes(start)
             unpacked = [(nbytes(user.meta["val"]), events.release_index(user)) for user in unpack.users]
-            if part["kind"] == "all_gather":
-                output = 0
-            else:
-                output = nbytes(start.meta["val"])
-                if events.release_index(pack) != order[start] or events.release_index(start) != order[unpack] \
-                        or order[wait] <= last_compute:
-                    return None
+            in_place = part["kind"] == "all_gather" or is_op(start, compshard_ops.exchange_rows_.default)
+            output = 0 if in_place else nbytes(start.meta["val"])
+            if part["kind"] == "reduce_scatter" and (
+                    events.release_index(pack) != order[unpack if in_place else start] or order[wait] <= last_compute
+                    or (not in_place and events.release_index(start) != order[unpack])):
+                return None
             if buffer == 0 or scratch % buffer:
                 return None
-            record = _Lowered(order[pack], order[start], order[wait], order[unpack], buffer, output,
+            record = _Lowered(order[pack], order[start], order[wait], order[unpack], buffer, in_place, output,
                               scratch // buffer, unpacked)
             for node in part["nodes"]:
                 (record.front if order[node] <= order[start] else record.back).append(order[node])
@@ -233,7 +233,7 @@ class PeakModel:
                     front = max(records, key=lambda r: r.pack)  # where the last gradient is ready
                     back = min(records, key=lambda r: r.wait)  # the first lowered
                 buffer = sum(r.buffer for r in records)
-                hold(front.pack, front.start if kind == "reduce_scatter" else back.unpack, buffer)
+                hold(front.pack, back.unpack if front.in_place else front.start, buffer)
                 hold(front.start, back.wait, front.scratch_per_byte * buffer)
                 hold(front.start, back.unpack, sum(r.output for r in records))
                 for record in records:

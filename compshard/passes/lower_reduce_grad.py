@@ -6,9 +6,10 @@ After, per collective of the coalescing, as soon as the last of its gradients ex
 (just before the latest member's marker): a ``pack`` node
 (``compshard::reduce_scatter_copy_in``: flatten, cast to the reduce dtype, divide by the
 world size, zero-pad into the rank-major buffer) and the ``reduce_scatter_tensor`` start
-(sum; on gloo an all-to-all of the buffer, whose received rows the unpack sums as it
-unpacks, or a sum node first where an all-reduce across replicas follows: see
-``ops.reduce_scatters_by_exchange`` and ``ops.sum_rows``); just before the first use of
+(sum; on gloo an all-to-all of the buffer in place, ``compshard::exchange_rows_``,
+whose received rows the unpack sums as it unpacks, or a sum node first where an
+all-reduce across replicas follows: see ``ops.reduce_scatters_by_exchange`` and
+``ops.sum_rows``); just before the first use of
 any member's result that computes with it (for gradients that only leave the graph,
 through views or not: the end of the graph; the deferral pass may pull it earlier to
 bound the bytes in flight): the ``wait_tensor`` and ``unpack`` nodes
@@ -39,7 +40,7 @@ from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta
 from compshard.ops import ShardLayout, group_size, reduce_scatters_by_exchange
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    FakeValues, aten, c10d, collective_members, compshard_ops, emit, first_use, is_op, is_view, node_order, op_arg,
+    FakeValues, aten, c10d, collective_members, compshard_ops, emit, first_arg, first_use, is_op, is_view, node_order,
     prims, reduce_grad_args, sink_before,
 )
 
@@ -123,8 +124,7 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
                      (grads, shard_numels, world_size, dtype, float(world_size * replicas)),
                      meta("pack", names, nbytes, reduced_label if world_size == 1 else label))
         if exchange:
-            rows = [sum(shard_numels)] * world_size
-            start = add(c10d.all_to_all_single.default, (packed, rows, rows, group_name),
+            start = add(compshard_ops.exchange_rows_.default, (packed, world_size, group_name),
                         meta("reduce_scatter", names, nbytes))
         elif world_size > 1:
             start = add(c10d.reduce_scatter_tensor.default, (packed, "sum", world_size, group_name),
@@ -184,7 +184,7 @@ def _hand_off_early(graph: fx.Graph, handoffs: list[tuple[fx.Node, ...]]) -> Non
     order = node_order(graph)
     handoffs = sorted(handoffs, key=lambda h: order[h[0]])
     for (_, waited, across), (next_start, _, _) in zip(handoffs, handoffs[1:]):
-        next_pack = op_arg(next_start, "input")
+        next_pack = first_arg(next_start)
         (across_wait,) = across.users
         if order[across_wait] > order[next_pack]:  # its result is not needed before then
             for node in (*waited, across):

@@ -23,6 +23,7 @@ from torch import fx
 
 from compshard.sizes import nbytes
 from compshard.ops import backend_name
+from compshard.shared_memory import usable_here
 from compshard.passes.fx_utils import (
     c10d, compshard_ops, first_arg, is_op, is_view, op_arg, producer, scheduled_kind,
 )
@@ -39,7 +40,7 @@ def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bo
         return roots.get(parent) if isinstance(parent, fx.Node) else None
     if "out" in node.kwargs:  # an out= op (the in-place all-gather) writes its out buffer
         return roots.get(node.kwargs["out"])
-    if is_op(node, compshard_ops.gather_rows_.default):  # the in-place all-gather on gloo
+    if is_op(node, compshard_ops.gather_rows_.default, compshard_ops.exchange_rows_.default):  # in place, on gloo
         return roots.get(first_arg(node))
     return node
 
@@ -49,19 +50,18 @@ def backend_scratch_bytes(start: fx.Node) -> int:
     ``start`` runs, until its wait. Measured with the profiler's allocation events on
     gloo (torch 2.13): an all-gather receives into two temporaries of its output's size,
     then copies them into the output; a reduce-scatter reduces a copy of its input; an
-    all-reduce allocates nothing beyond its output. The all-to-all of a reduce-scatter
-    run as an exchange (``ops.reduce_scatters_by_exchange``, gloo only) allocates only its
-    output, but its work holds the input (the packed gradients) until the wait, after
-    the graph's last use of it: that input is counted here, or every packed bucket in
-    flight at the end of a backward would be missed (measured: 46.8 MiB on a 47 MiB GPT
-    at 4 ranks). None counted for the sends and receives that run compshard's all-gathers
-    on gloo (``ops.all_gathers_by_send_recv``), nor for other backends (NCCL writes the
-    output in place)."""
+    all-reduce allocates nothing beyond its output. The in-place all-to-all of a
+    reduce-scatter run as an exchange (``ops.reduce_scatters_by_exchange``, gloo only)
+    allocates nothing through shared memory (``shared_memory.usable_here``) and
+    otherwise receives into a temporary of its buffer's size. None counted for the
+    sends and receives that run compshard's all-gathers on gloo
+    (``ops.all_gathers_by_send_recv``), nor for other backends (NCCL writes the output
+    in place)."""
     kind = scheduled_kind(start)
     if kind not in ("all_gather", "reduce_scatter"):
         return 0
-    if is_op(start, c10d.all_to_all_single.default):  # a reduce-scatter run as an exchange
-        return nbytes(op_arg(start, "input").meta["val"])
+    if is_op(start, compshard_ops.exchange_rows_.default):
+        return 0 if usable_here(op_arg(start, "world_size")) else nbytes(start.meta["val"])
     if is_op(start, compshard_ops.gather_rows_.default):  # an all-gather run as sends and receives, in place
         return 0
     if backend_name(op_arg(start, "group_name"), start.meta["val"].device) != "gloo":
