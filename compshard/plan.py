@@ -595,8 +595,7 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
             kinds = {name: name.partition(".")[0] for name in schedule.graphs}  # "forward.1" -> "forward"
             # Inside the fake world: a collective's backend scratch (gloo's) is known only
             # while its simulated process group exists; outside it would count as none.
-            peaks = {name: _peak_breakdown(gm, _inputs_storage(schedule.graphs, name, kinds[name]))
-                     for name, gm in schedule.graphs.items()}
+            peaks = {name: _peak_breakdown(gm, kinds[name] == "backward") for name, gm in schedule.graphs.items()}
             if "backward" not in kinds.values():
                 raise ValueError("compshard.plan: the model's output does not require grad; plan predicts a "
                                  "training step")
@@ -653,31 +652,17 @@ def _longest_waits(schedule: Report, count: int = 3) -> tuple[tuple[str, str, fl
 # ------------------------------------------------------------------------- memory at the peak
 
 
-def _inputs_storage(graphs: dict[str, fx.GraphModule], name: str, kind: str) -> set[str] | None:
-    """For a backward graph, the names of its inputs that the forward saved from its own
-    inputs' storage (parameter shards, the batch, views of them): at run time they are
-    the tensors held outside the graphs (the parameters, counted at rest; the batch, by
-    the caller), not memory of their own. The partitioner names each backward input
-    after the forward value it saves. None for other graphs: their inputs are not counted."""
-    if kind != "backward":
-        return None
-    forward = graphs[name.replace("backward", "forward", 1)].graph
-    roots = storages(forward, count_inputs=False).roots
-    return {node.name for node in forward.nodes
-            if roots[node] is None and not isinstance(node.meta.get("val"), (list, tuple))}
-
-
-def _peak_breakdown(gm: fx.GraphModule, inputs_storage: set[str] | None) -> dict[str, int]:
+def _peak_breakdown(gm: fx.GraphModule, count_inputs: bool) -> dict[str, int]:
     """The storages live while the graph's peak node runs (as the memory model counts
-    them, inputs counted when ``inputs_storage`` is given, except those named in it),
-    summed by what holds them."""
-    events = storages(gm.graph, count_inputs=inputs_storage is not None)
+    them, inputs counted when ``count_inputs``: a backward's, but for those the caller
+    holds, ``memory_model.mark_held_outside``), summed by what holds them."""
+    events = storages(gm.graph, count_inputs=count_inputs)
     started = {meta.collective: meta.kind for node in events.nodes if (meta := node_meta(node)).kind in COLLECTIVE_KINDS}
     awaiting_reduction = {root for node in events.nodes if _side(node, started) == "reduce" and _kind(node) == "pack"
                           for root in (events.roots.get(i) for i in node.all_input_nodes) if root is not None}
     spans = []  # (first index live, last index live, bytes, holder)
     for node in events.nodes:
-        if events.roots[node] is node and not (node.op == "placeholder" and node.name in (inputs_storage or ())):
+        if events.roots[node] is node:
             spans.append((events.order[producer(node)], events.release_index(node), nbytes(node.meta.get("val")),
                           _holder(node, started, awaiting_reduction)))
         scratch = backend_scratch_bytes(node)

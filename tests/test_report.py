@@ -10,6 +10,8 @@ import torch
 
 import compshard
 from compshard.compile_plan import node_meta
+from compshard.passes.memory_model import HELD_OUTSIDE, live_bytes
+from compshard.sizes import nbytes
 from tests.models import make_model
 from tests.trace_checks import check_trace
 
@@ -71,6 +73,22 @@ def test_report_covers_every_graph_of_a_model_with_graph_breaks():
     assert with_buckets <= set(range(len(plans))) and len(with_buckets) > 1
     assert {p for b in report.buckets for p in b["params"]} == {name for name, _ in model.named_parameters()}
     assert all(f"{kind}.{i}" in report.pass_seconds for i in range(len(plans)) for kind in ("dynamo", "forward"))
+
+
+def test_backward_estimate_leaves_out_the_inputs_its_caller_holds(report):
+    """The backward's inputs saved from the forward's own inputs (parameter shards, the
+    batch: ``primals_*``) are held by the module and the caller whatever the backward
+    does: they are tagged (``memory_model.mark_held_outside``) and the estimate counts
+    none of them; the other inputs (activations, tangents) it counts from the start."""
+    backward = report.graphs["backward"].graph
+    inputs = list(backward.find_nodes(op="placeholder"))
+    held = {node.name for node in inputs if node.meta.get(HELD_OUTSIDE)}
+    primals = {node.name for node in inputs if node.name.startswith("primals")}
+    assert primals and primals <= held, (primals, held)
+    counted = [node for node in inputs if node.name not in held and isinstance(node.meta.get("val"), torch.Tensor)]
+    assert counted, "every input was taken for one the caller holds"
+    during, _ = live_bytes(backward, count_inputs=True)
+    assert during[inputs[-1]] == sum(nbytes(node.meta["val"]) for node in counted)
 
 
 def test_version():

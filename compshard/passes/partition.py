@@ -9,7 +9,8 @@ after the user's outputs. The plan gets their number (``saved_count``: the sched
 check finds the saved outputs by it) and their bytes by kind in the recompute plan:
 ``"activations"``, ``"gathered params"`` (``unshard`` outputs and their views and casts)
 and ``"inputs"`` (graph inputs: shards, buffers, the batch); a storage saved through
-several values counts once.
+several values counts once. The backward's inputs saved from the forward's inputs are
+tagged for the memory model (``memory_model.mark_held_outside``).
 
 One repair of AOTAutograd's layout (torch 2.11 to 2.13): when a recomputed region holds
 an RNG op (HF gradient checkpointing around attention), the partitioner inserts the RNG
@@ -32,6 +33,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from compshard.compile_plan import CompilePlan, RecomputePlan
 from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op
+from compshard.passes.memory_model import mark_held_outside
 from compshard.sizes import size_hint
 
 __all__ = ["partition"]
@@ -43,6 +45,7 @@ def partition(joint: fx.GraphModule, joint_inputs: Any, plan: CompilePlan,
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     saved = [node for node in backward.graph.find_nodes(op="placeholder") if not node.name.startswith("tangents")]
     _saved_tensors_first(forward, backward)
+    mark_held_outside(forward.graph, backward.graph)
     recompute = replace(plan.recompute or RecomputePlan("none"), saved=_saved_bytes(forward.graph, saved))
     return forward, backward, replace(plan, saved_count=len(saved), recompute=recompute)
 
