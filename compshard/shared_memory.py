@@ -22,11 +22,11 @@ yielding the core, for up to :data:`SPIN_SECONDS`, then sleeps in growing steps 
 0.2 ms; it raises when the awaited rank's process has exited, or after
 :data:`WAIT_SECONDS`.
 
-When: the group's real backend is gloo, it has more than one rank and no more than the
-cores a rank may run on, the machine is x86-64, ``COMPSHARD_SHARED_MEMORY`` is not
-``0``, every rank can open the file that rank 0 creates under ``/dev/shm`` and read
-back the token rank 0 wrote into it (so they share it: one host, one ``/dev/shm``),
-and every rank sees every other's process id.
+When: the group's real backend is gloo, it has more than one rank, neither it nor the
+job's processes on this host outnumber the cores a rank may run on, the machine is
+x86-64, ``COMPSHARD_SHARED_MEMORY`` is not ``0``, every rank can open the file that
+rank 0 creates under ``/dev/shm`` and read back the token rank 0 wrote into it (so they
+share it: one host, one ``/dev/shm``), and every rank sees every other's process id.
 Decided once per group, collectively, on the group's first exchange (every rank
 exchanges on each group in the same order); rank 0 unlinks the file as soon as every rank
 has mapped it, so none is left behind.
@@ -50,7 +50,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-__all__ = ["SLOT_BYTES", "SPIN_SECONDS", "WAIT_SECONDS", "SharedRows", "held_bytes", "shared_rows", "usable_here"]
+__all__ = ["SLOT_BYTES", "SPIN_SECONDS", "WAIT_SECONDS", "SharedRows", "held_bytes", "processes_on_host", "shared_rows",
+           "usable_here"]
 
 SLOT_BYTES = 1 << 18  # 256 KiB: two a rank keep the memory held small beside the gathered buffers
 SPIN_SECONDS = 2e-3  # ranks issue the same collectives, so most waits end within this
@@ -222,19 +223,31 @@ def shared_rows(group: dist.ProcessGroup) -> SharedRows | None:
 
 def usable_here(world_size: int) -> bool:
     """Whether this process may exchange through shared memory with ``world_size - 1``
-    others: not turned off, x86-64, a core for each rank of the group (rounds in lockstep
-    stall when ranks wait for a core: 4 ranks on 2 cores took 4.7 to 9.0 ms for 3.3 MiB
-    and 30 to 181 ms for 26.5 MiB, against 4.0 and 43 through gloo), and room in
-    ``/dev/shm`` for the group's file."""
+    others: not turned off, x86-64, a core for each rank of the group and for each
+    process of the job on this host (:func:`processes_on_host`), and room in
+    ``/dev/shm`` for the group's file. Rounds in lockstep stall when ranks wait for a
+    core: 4 ranks on 2 cores took 4.7 to 9.0 ms for 3.3 MiB and 30 to 181 ms for 26.5
+    MiB, against 4.0 and 43 through gloo; groups of 2 among 4 processes on 2 cores (the
+    2 x 2 pipeline benchmark's data-parallel groups) stepped the small GPT's pipeline in
+    105.8, 108.8 and 110.7 ms against 98.6, 101.7 and 105.0 through gloo."""
     if os.environ.get("COMPSHARD_SHARED_MEMORY", "1") == "0" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    if world_size > len(os.sched_getaffinity(0)):
+    if max(world_size, processes_on_host()) > len(os.sched_getaffinity(0)):
         return False
     try:
         stats = os.statvfs("/dev/shm")
     except OSError:
         return False
     return stats.f_bavail * stats.f_frsize >= SharedRows.nbytes(world_size)
+
+
+def processes_on_host() -> int:
+    """The job's processes on this host: torchrun's ``LOCAL_WORLD_SIZE``; without it, the
+    default group's size (as if every rank shared this host), or 1 outside a job."""
+    local = os.environ.get("LOCAL_WORLD_SIZE", "")
+    if local.isdigit():
+        return int(local)
+    return dist.get_world_size() if dist.is_initialized() else 1
 
 
 def _open(group: dist.ProcessGroup) -> SharedRows | None:

@@ -93,6 +93,13 @@ def test_shared_memory_exchanges_the_bits_gloo_exchanges(world_size):
         assert all(got["expected"]), f"rank {rank}: {got['expected']}"
 
 
+def test_not_used_where_the_jobs_processes_on_this_host_outnumber_its_cores(monkeypatch):
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", str(cores + 1))  # torchrun's count of the job's processes here
+    assert shared_memory.processes_on_host() == cores + 1
+    assert not shared_memory.usable_here(2)
+
+
 def _exchange(tmp_path, pids: list[int], wait_seconds: float) -> SharedRows:
     nbytes = SharedRows.nbytes(len(pids))
     storage = shared_memory._map(str(tmp_path / "rows"), b"t" * 16, nbytes, create=True)
