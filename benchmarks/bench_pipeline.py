@@ -10,11 +10,13 @@ trains the same GPT (compshard.models, from the same weights) on the same batch,
 the same place (compshard.pipeline_stages on one micro-batch; the benchmark checks that
 the cuts agree), with the same schedule and micro-batches, in the same processes:
 
-- compshard: compshard.pipeline: each stage sharded with compshard.shard and compiled
-  with the compshard backend (--options are its compile options), reshard="per_step"
-  (the default): the stage's parameters are all-gathered once per step, in buckets of at
-  most bucket_mb, and held through every micro-batch; gradients accumulate over the
-  micro-batches and are reduce-scattered once per step, in buckets.
+- compshard: compshard.pipeline with compile=True (--options are its compile options)
+  and reshard="per_step" (the default): each stage sharded with compshard.shard, and
+  compiled with the compshard backend only where the options ask for graph work
+  (compshard.pipeline.compiles_stage; else it runs as built); the stage's parameters
+  are all-gathered once per step, in buckets of at most bucket_mb, and held through
+  every micro-batch; gradients accumulate over the micro-batches and are
+  reduce-scattered once per step, in buckets.
 - compshard-per-microbatch: the same with reshard="per_microbatch": each micro-batch's
   compiled forward and backward gather the buckets they read (only those held).
 - compshard-eager: compshard with compile=False.

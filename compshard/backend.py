@@ -105,6 +105,12 @@ def _run_graph(run: Callable, moves_gradients: bool) -> Callable:
     return run_graph
 
 
+def asks_for_graph_work(options: CompileOptions) -> bool:
+    """Whether ``options`` ask for work on a graph besides its collectives: recompute
+    (``recompute`` other than ``"none"``, or a ``memory_budget_mb``) or Inductor's codegen."""
+    return options.codegen != "fx" or options.recompute != "none" or options.memory_budget_mb is not None
+
+
 def schedules_nothing(gm: fx.GraphModule, options: CompileOptions) -> bool:
     """Whether compshard has nothing to do in the Dynamo graph ``gm``: it reads no sharded
     parameter (no compshard op, so nothing to gather, reduce or free: the model is not
@@ -124,7 +130,7 @@ def schedules_nothing(gm: fx.GraphModule, options: CompileOptions) -> bool:
     ``compshard.inspect`` schedule for such a graph (it has none) and the partitioner's
     choice of saved activations (eager autograd saves what eager does).
     """
-    if options.codegen != "fx" or options.recompute != "none" or options.memory_budget_mb is not None:
+    if asks_for_graph_work(options):
         return False
     ops = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)  # Dynamo records a packet, AOTAutograd an overload
     return not any(node.op == "call_function" and isinstance(node.target, ops)

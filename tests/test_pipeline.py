@@ -27,7 +27,7 @@ from compshard.backend import record_compiles
 from compshard.grad_sync import grad_sync_state, reduce_accumulated_gradients
 from compshard.models import GPT, GPTConfig
 from compshard.pipeline_stages import build_stage_module, partition_stages
-from compshard.pipeline import bubble_fraction
+from compshard.pipeline import bubble_fraction, compiles_stage
 from compshard.step_gather import gathered_for_step
 from tests.distributed import run_distributed
 from tests.models import make_model
@@ -367,14 +367,16 @@ def test_stages_compile_and_reduce_gradients_once_per_step(world_size, case):
     sharded = world_size > stages
     for rank, result in enumerate(results):
         got = result[case]
-        # Dynamo captures one graph per stage (no recompile after the first step); compshard
-        # schedules it (a forward and a backward graph) where it gathers parameters, in
-        # every micro-batch, and runs it as captured where it reads parameters gathered for
-        # the step or unsharded ones (backend.schedules_nothing)
-        assert got["captured"] == (1 if compile else 0), f"rank {rank}: {got['captured']} graphs captured"
+        # compiled where the stage gathers parameters in every micro-batch: Dynamo captures
+        # one graph per stage (no recompile after the first step) and compshard schedules it
+        # (a forward and a backward graph); where it reads parameters gathered for the step,
+        # or unsharded ones, there is nothing to schedule and the stage runs as built
+        # (pipeline.compiles_stage), with compile=True too
         scheduled = compile and sharded and reshard == "per_microbatch"
+        assert got["captured"] == (1 if scheduled else 0), f"rank {rank}: {got['captured']} graphs captured"
         assert got["graphs"] == (["backward", "forward"] if scheduled else []), f"rank {rank}: {got['graphs']}"
-        assert f"{'compiled' if compile else 'eager'} stages" in got["report"]
+        assert f"{'compiled' if scheduled else 'eager'} stages" in got["report"]
+        assert ("nothing to schedule" in got["report"]) == (compile and not scheduled), got["report"]
         # one reduce-scatter per bucket and step, not one per micro-batch: a stage of the
         # test GPT is one bucket (far below bucket_mb)
         expected = 1 if sharded else 0
@@ -424,3 +426,12 @@ def test_readme_pipeline_example_runs(pipeline_results):
     assert re.search(r"^loss \d+\.\d{4}$", results[0]["readme"], re.M), results[0]["readme"]
     assert "bubble fraction (K-1)/(M+K-1) = 1/5" in results[0]["readme"]
     assert all(result["readme"] == "" for result in results[1:])  # only rank 0 prints
+
+
+def test_compile_true_compiles_a_stage_only_where_there_is_something_to_schedule():
+    assert compiles_stage({}, sharded=True, reshard="per_microbatch")  # gathers in every micro-batch
+    assert not compiles_stage({}, sharded=True, reshard="per_step")  # its parameters held for the step
+    assert not compiles_stage({}, sharded=False, reshard="per_microbatch")  # nothing sharded
+    assert compiles_stage({"recompute": "selective"}, sharded=True, reshard="per_step")
+    assert compiles_stage({"memory_budget_mb": 8}, sharded=False, reshard="per_step")
+    assert compiles_stage({"codegen": "inductor"}, sharded=False, reshard="per_step")
