@@ -157,31 +157,33 @@ def _reduce_and_accumulate(bucket: list[_Accumulated], divide_by: int) -> None:
     parameters' ``.grad``. Empties ``bucket``, so that each full gradient is released once
     packed for the collective (it is referenced nowhere else)."""
     params = [item.param for item in bucket]
-    for param, local_grad in zip(params, _reduce_bucket(bucket)):
-        accumulate_grad(param, local_grad / divide_by if divide_by != 1 else local_grad)
+    for param, local_grad in zip(params, _reduce_bucket(bucket, divide_by)):
+        accumulate_grad(param, local_grad)
 
 
-def _reduce_bucket(bucket: list[_Accumulated]) -> list[torch.Tensor]:
+def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Tensor]:
     """This rank's reduced rows of each gradient of ``bucket`` (same :attr:`_Accumulated.key`):
     the gradients packed rank-major (row ``r`` of a ``[world_size, S]`` tensor holds rank
     ``r``'s rows of every gradient, zero-padded, as the compiled backward packs a bucket)
-    and divided by the ranks as they are packed, that tensor reduced by
+    and divided by the ranks (and ``divide_by``) as they are packed, that tensor reduced by
     ``compshard::reduce_grad``'s collectives (:func:`compshard.ops.sum_over_ranks`; its
     ``Shard(0)`` row is this rank's), then unpacked. The arithmetic per element is that
-    op's for each gradient alone (divide, then sum), without its divided copy of the
+    op's for each gradient alone (divide, then sum; one division by the ranks times
+    ``divide_by``, not a second pass over the result), without its divided copy of the
     packed bucket. A replicated (0-d) parameter goes alone, through the op. Empties
     ``bucket`` (a 0-d parameter's excepted)."""
     first = bucket[0]
     spec, world_size, shard_dtype = first.spec, first.spec.world_size, first.param.dtype
     if not spec.full_shape:
-        return [torch.ops.compshard.reduce_grad(first.grad, [], world_size, spec.group_name, spec.fqn, None,
-                                                shard_dtype, spec.replicate_group)]
+        reduced = torch.ops.compshard.reduce_grad(first.grad, [], world_size, spec.group_name, spec.fqn, None,
+                                                  shard_dtype, spec.replicate_group)
+        return [reduced / divide_by if divide_by != 1 else reduced]
     rank = group_rank(spec.group_name)
     layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]
     shard_numels = [layout.padded_shard_numel for layout in layouts]
-    ranks = averaging_ranks(world_size, spec.replicate_group)
+    divisor = averaging_ranks(world_size, spec.replicate_group) * divide_by
     packed = torch.ops.compshard.reduce_scatter_copy_in([item.grad for item in bucket], shard_numels, world_size,
-                                                       first.grad.dtype, ranks if ranks > 1 else None)
+                                                       first.grad.dtype, divisor if divisor != 1 else None)
     del first
     bucket.clear()  # the full gradients are packed: release them before the reduction allocates
     reduced = sum_over_ranks(packed, ShardLayout((world_size, sum(shard_numels)), world_size, rank), spec.group_name,
