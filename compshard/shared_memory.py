@@ -46,6 +46,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -117,7 +118,7 @@ class SharedRows:
         :meth:`all_gather`. Each round's slot holds one piece for each other rank."""
         data = self._bytes(rows)
         others = self.world_size - 1
-        piece = max(SLOT_BYTES // others // _ALIGN * _ALIGN, _ALIGN)
+        piece = SLOT_BYTES // others // _ALIGN * _ALIGN or SLOT_BYTES // others  # unaligned past 4096 ranks
 
         def place(sender: int, receiver: int) -> int:  # where ``sender``'s slot holds ``receiver``'s piece
             return (receiver - sender - 1) % self.world_size * piece
@@ -136,7 +137,8 @@ class SharedRows:
     def _bytes(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.reshape(-1).view(torch.uint8).view(self.world_size, -1)
 
-    def _exchange(self, row_bytes: int, piece_bytes: int, fill, drain) -> None:
+    def _exchange(self, row_bytes: int, piece_bytes: int, fill: Callable[[torch.Tensor, int, int], None],
+                  drain: Callable[[int, torch.Tensor, int, int], None]) -> None:
         """Rounds of ``piece_bytes`` of each row (see the module docstring): ``fill(slot,
         start, length)`` puts this rank's pieces into its slot, ``drain(peer, slot, start,
         length)`` takes this rank's from a peer's. After a failed exchange the group's
