@@ -149,10 +149,11 @@ class Pipeline:
         self._sharded = self._data_parallel > 1
         if self._sharded:
             shard(self.module, mesh=mesh["dp"])
+        options = CompileOptions.from_dict(compile_options)
         self._compile_requested = compile_options is not None
-        self._compiled = self._compile_requested and compiles_stage(compile_options, self._sharded, reshard)
+        self._compiled = self._compile_requested and compiles_stage(options, self._sharded, reshard)
         self._reshard = reshard
-        self._bucket_bytes = int(CompileOptions.from_dict(compile_options).bucket_mb * 2**20)
+        self._bucket_bytes = int(options.bucket_mb * 2**20)
         runner = torch.compile(self.module, backend="compshard", options=compile_options) if self._compiled \
             else self.module
         # Torch 2.11's PipelineStage infers shapes by running the stage once without
@@ -292,16 +293,16 @@ def _compile_options(compile: bool, compile_options: Mapping[str, Any] | None) -
     return dict(compile_options)
 
 
-def compiles_stage(compile_options: Mapping[str, Any], sharded: bool, reshard: str) -> bool:
+def compiles_stage(options: CompileOptions, sharded: bool, reshard: str) -> bool:
     """Whether ``compile=True`` compiles a stage: where its graphs gather parameters (a
-    sharded stage, ``reshard="per_microbatch"``) or ``compile_options`` ask for graph
+    sharded stage, ``reshard="per_microbatch"``) or the compile ``options`` ask for graph
     work (``backend.asks_for_graph_work``). Otherwise the graphs would hold no compshard
     op and the backend would hand Dynamo's capture back to run as captured
     (``backend.schedules_nothing``); the stage module, an FX graph of the same capture,
     runs as built instead, without Dynamo's guards and frame on every call. One process,
     one thread, the small GPT's stages, 4 micro-batches' forward and backward (medians of
     30): 22.1 against 22.5 ms (first stage) and 23.6 against 26.1 ms (last stage)."""
-    return (sharded and reshard == "per_microbatch") or asks_for_graph_work(CompileOptions.from_dict(compile_options))
+    return (sharded and reshard == "per_microbatch") or asks_for_graph_work(options)
 
 
 def _pipeline_mesh(stages: int, mesh: DeviceMesh | None, device: torch.device) -> DeviceMesh:

@@ -27,6 +27,7 @@ from compshard.backend import record_compiles
 from compshard.grad_sync import grad_sync_state, reduce_accumulated_gradients
 from compshard.models import GPT, GPTConfig
 from compshard.pipeline_stages import build_stage_module, partition_stages
+from compshard.options import CompileOptions
 from compshard.pipeline import bubble_fraction, compiles_stage
 from compshard.step_gather import gathered_for_step
 from tests.distributed import run_distributed
@@ -429,9 +430,12 @@ def test_readme_pipeline_example_runs(pipeline_results):
 
 
 def test_compile_true_compiles_a_stage_only_where_there_is_something_to_schedule():
-    assert compiles_stage({}, sharded=True, reshard="per_microbatch")  # gathers in every micro-batch
-    assert not compiles_stage({}, sharded=True, reshard="per_step")  # its parameters held for the step
-    assert not compiles_stage({}, sharded=False, reshard="per_microbatch")  # nothing sharded
-    assert compiles_stage({"recompute": "selective"}, sharded=True, reshard="per_step")
-    assert compiles_stage({"memory_budget_mb": 8}, sharded=False, reshard="per_step")
-    assert compiles_stage({"codegen": "inductor"}, sharded=False, reshard="per_step")
+    def compiles(options: dict, **stage) -> bool:
+        return compiles_stage(CompileOptions.from_dict(options), **stage)
+
+    assert compiles({}, sharded=True, reshard="per_microbatch")  # gathers in every micro-batch
+    assert not compiles({}, sharded=True, reshard="per_step")  # its parameters held for the step
+    assert not compiles({}, sharded=False, reshard="per_microbatch")  # nothing sharded
+    assert compiles({"recompute": "selective"}, sharded=True, reshard="per_step")
+    assert compiles({"memory_budget_mb": 8}, sharded=False, reshard="per_step")
+    assert compiles({"codegen": "inductor"}, sharded=False, reshard="per_step")
