@@ -100,7 +100,7 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 import compshard  # noqa: E402
 from compshard import cost_model  # noqa: E402
 from compshard.models import GPTConfig  # noqa: E402
-from compshard.pipeline import SCHEDULES, mean_step_loss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
+from compshard.pipeline import SCHEDULES, StepLoss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
 from compshard.pipeline_stages import Partition, build_stage_module, partition_stages  # noqa: E402
 from harness import (  # noqa: E402
     held_outside_tensors, init_distributed, make_workload, peak_tensor_bytes, progress, state_bytes, write_results)
@@ -166,6 +166,7 @@ def build_fsdp2(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh
     stage = PipelineStage(module, index, stages, device, group=mesh["pp"].get_group())
     schedule = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=gpt_loss)
     tied = tied_gradient_groups(partition, mesh, dict(module.named_parameters()))
+    step_loss = StepLoss(mesh)
     is_first, is_last = index == 0, index == stages - 1
 
     def pipeline_step() -> torch.Tensor:
@@ -173,7 +174,7 @@ def build_fsdp2(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh
         schedule.step(*((x,) if is_first else ()), target=y if is_last else None, losses=losses if is_last else None,
                       return_outputs=False)
         sum_tied_gradients(tied)
-        return mean_step_loss(losses, mesh, device)
+        return step_loss(losses, device)
 
     return with_optimizer(module, pipeline_step, partition)
 
