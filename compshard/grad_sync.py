@@ -30,8 +30,8 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
-from typing import Any, NamedTuple
+from collections.abc import Callable, Hashable, Iterable, Iterator, Mapping
+from typing import Any, NamedTuple, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -115,21 +115,47 @@ class GradSync:
 
         A parameter that accumulated nothing contributes zeros, so that every rank issues
         the same collectives whatever ran: it then gets a zero gradient, not ``None``."""
-        bucket: list[_Accumulated] = []
-        for name, spec in self.specs.items():
-            grad = self.take_accumulated(name)
-            if grad is None:
-                continue
-            item = _Accumulated(spec, grad, params[name])
-            if not spec.full_shape:
-                _reduce_and_accumulate([item], divide_by)
-                continue
-            if bucket and (item.key != bucket[0].key or _nbytes(bucket) + item.nbytes > bucket_bytes):
-                _reduce_and_accumulate(bucket, divide_by)
-                bucket = []
-            bucket.append(item)
-        if bucket:
+        def accumulated() -> Iterator[_Accumulated]:  # lazily: each gradient taken as its bucket fills
+            for name, spec in self.specs.items():
+                grad = self.take_accumulated(name)
+                if grad is not None:
+                    yield _Accumulated(spec, grad, params[name])
+
+        for bucket in consecutive_buckets(accumulated(), bucket_bytes, alone=lambda item: not item.spec.full_shape):
             _reduce_and_accumulate(bucket, divide_by)
+
+
+class _Bucketable(Protocol):
+    @property
+    def key(self) -> Hashable: ...  # what the items of one bucket (one collective) must share
+
+    @property
+    def nbytes(self) -> int: ...
+
+
+_Item = TypeVar("_Item", bound=_Bucketable)
+
+
+def consecutive_buckets(items: Iterable[_Item], limit: int, *, alone: Callable[[_Item], bool]) -> Iterator[list[_Item]]:
+    """``items`` in order as buckets of consecutive items with the same ``key``, each
+    closed before its ``nbytes`` would pass ``limit`` (a larger item is a bucket alone).
+    An item ``alone`` accepts is a bucket of its own at once, the open bucket staying
+    open. Every rank passing the same items gets the same buckets. Lazy: items are
+    taken one at a time, and a bucket is yielded as soon as the next item (or the end)
+    closes it."""
+    bucket: list[_Item] = []
+    size = 0
+    for item in items:
+        if alone(item):
+            yield [item]
+            continue
+        if bucket and (item.key != bucket[0].key or size + item.nbytes > limit):
+            yield bucket
+            bucket, size = [], 0
+        bucket.append(item)
+        size += item.nbytes
+    if bucket:
+        yield bucket
 
 
 class _Accumulated(NamedTuple):
@@ -146,10 +172,6 @@ class _Accumulated(NamedTuple):
     @property
     def nbytes(self) -> int:
         return self.grad.numel() * self.grad.element_size()
-
-
-def _nbytes(bucket: list[_Accumulated]) -> int:
-    return sum(item.nbytes for item in bucket)
 
 
 def _reduce_and_accumulate(bucket: list[_Accumulated], divide_by: int) -> None:

@@ -46,7 +46,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from compshard.grad_sync import DEFAULT_BUCKET_BYTES, grad_sync_state
+from compshard.grad_sync import DEFAULT_BUCKET_BYTES, consecutive_buckets, grad_sync_state
 from compshard.ops import ShardLayout, all_gather_rows, group_rank
 
 __all__ = ["gathered_for_step"]
@@ -65,7 +65,7 @@ class _Shard(NamedTuple):
         return (self.spec.world_size, self.spec.group_name, self.dtype, self.rows.device)
 
     @property
-    def gathered_bytes(self) -> int:
+    def nbytes(self) -> int:  # gathered
         return math.prod(self.spec.full_shape) * self.dtype.itemsize
 
     @property
@@ -99,26 +99,23 @@ def gathered_for_step(module: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_B
 def _gather(module: nn.Module, bucket_bytes: int) -> dict[str, torch.Tensor]:
     """Each parameter's full tensor, by canonical name, gathered in buckets."""
     params = dict(module.named_parameters())
-    gathered: dict[str, torch.Tensor] = {}
-    bucket: list[_Shard] = []
-    with torch.no_grad():
+
+    def shards() -> Iterator[_Shard]:
         for name, spec in grad_sync_state(module).specs.items():
             param = params[name]
             rows = param.to_local() if hasattr(param, "to_local") else param
             if spec.compute_device is not None:
                 rows = rows.to(spec.compute_device, non_blocking=True)
-            item = _Shard(spec, rows, spec.param_dtype or rows.dtype)
-            if not item.communicates:
-                full = [rows.to(item.dtype, copy=True).view(spec.full_shape)]
-                gathered.update(_as_leaves([item], full, params))
-                continue
-            if bucket and (item.key != bucket[0].key or
-                           sum(b.gathered_bytes for b in bucket) + item.gathered_bytes > bucket_bytes):
-                gathered.update(_as_leaves(bucket, _all_gather(bucket), params))
-                bucket = []
-            bucket.append(item)
-        if bucket:
-            gathered.update(_as_leaves(bucket, _all_gather(bucket), params))
+            yield _Shard(spec, rows, spec.param_dtype or rows.dtype)
+
+    gathered: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        for bucket in consecutive_buckets(shards(), bucket_bytes, alone=lambda item: not item.communicates):
+            if bucket[0].communicates:
+                full = _all_gather(bucket)
+            else:
+                full = [bucket[0].rows.to(bucket[0].dtype, copy=True).view(bucket[0].spec.full_shape)]
+            gathered.update(_as_leaves(bucket, full, params))
     return gathered
 
 
