@@ -37,7 +37,8 @@ import torch
 from torch import nn
 
 from compshard.eager_gather import EagerReductions, accumulate_grad
-from compshard.ops import ShardLayout, averaging_ranks, group_rank, sum_over_ranks
+from compshard.ops import (ShardLayout, averaging_ranks, exchanged_rows, group_rank, group_size,
+                           reduce_scatters_by_exchange, sum_over_ranks)
 from compshard.options import CompileOptions
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradSync", "no_sync", "reduce_accumulated_gradients", "set_requires_gradient_sync"]
@@ -189,11 +190,14 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
     ``r``'s rows of every gradient, zero-padded, as the compiled backward packs a bucket)
     and divided by the ranks (and ``divide_by``) as they are packed, that tensor reduced by
     ``compshard::reduce_grad``'s collectives (:func:`compshard.ops.sum_over_ranks`; its
-    ``Shard(0)`` row is this rank's), then unpacked. The arithmetic per element is that
-    op's for each gradient alone (divide, then sum; one division by the ranks times
-    ``divide_by``, not a second pass over the result), without its divided copy of the
-    packed bucket. A replicated (0-d) parameter goes alone, through the op. Empties
-    ``bucket`` (a 0-d parameter's excepted)."""
+    ``Shard(0)`` row is this rank's), then unpacked. Where the reduction is an exchange
+    and a sum (:func:`compshard.ops.reduce_scatters_by_exchange`) and there is no replica
+    group, the exchanged rows are summed straight into each gradient's shard as they are
+    unpacked, as the compiled backward does: no buffer of the sums, no copy of it. The
+    arithmetic per element is that op's for each gradient alone (divide, then sum; one
+    division by the ranks times ``divide_by``, not a second pass over the result),
+    without its divided copy of the packed bucket. A replicated (0-d) parameter goes
+    alone, through the op. Empties ``bucket`` (a 0-d parameter's excepted)."""
     first = bucket[0]
     spec, world_size, shard_dtype = first.spec, first.spec.world_size, first.param.dtype
     if not spec.full_shape:
@@ -208,8 +212,12 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
                                                        first.grad.dtype, divisor if divisor != 1 else None)
     del first
     bucket.clear()  # the full gradients are packed: release them before the reduction allocates
-    reduced = sum_over_ranks(packed, ShardLayout((world_size, sum(shard_numels)), world_size, rank), spec.group_name,
-                             spec.replicate_group)
+    if world_size > 1 and group_size(spec.replicate_group) == 1 and reduce_scatters_by_exchange(spec.group_name,
+                                                                                                 packed.device):
+        reduced = exchanged_rows(packed, world_size, spec.group_name)  # (world_size, S): summed as unpacked
+    else:
+        reduced = sum_over_ranks(packed, ShardLayout((world_size, sum(shard_numels)), world_size, rank),
+                                 spec.group_name, spec.replicate_group)
     del packed  # (where the reduction returned a new tensor) before unpacking allocates
     local_numels = [math.prod(layout.local_shape) for layout in layouts]
     flats = torch.ops.compshard.reduce_scatter_copy_out(reduced, shard_numels, local_numels, shard_dtype)

@@ -1,5 +1,5 @@
 """All-gathers and all-to-alls through shared memory (compshard.shared_memory): the same
-bits as gloo's at 2 and 4 ranks, in rounds of several slots, fp32 and bf16; the decision
+bits as gloo's at 2 and 4 ranks (the all-to-all in place and read once), in rounds of several slots, fp32 and bf16; the decision
 per group (COMPSHARD_SHARED_MEMORY=0 keeps gloo); waits that end with an error, never a
 hang, when a rank is late or gone."""
 
@@ -46,6 +46,14 @@ def _exchange_rows(group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> 
     return ops.exchange_rows(buffer.view(-1), world_size, group.group_name).view(world_size, numel)
 
 
+def _exchanged_rows(group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> torch.Tensor:
+    """As :func:`_exchange_rows`, through the eager reductions' read-once exchange (gloo's
+    all-to-all into a new tensor where the group does not use shared memory)."""
+    world_size, rank = group.size(), group.rank()
+    buffer = torch.stack([_piece(rank, receiver, dtype, numel) for receiver in range(world_size)])
+    return ops.exchanged_rows(buffer.view(-1), world_size, group.group_name)
+
+
 def _new_group(ranks: list[int], environment: str | None = None, *, force: bool = False) -> tuple:
     """A gloo group and its shared-memory exchange (None: gloo's), with
     ``COMPSHARD_SHARED_MEMORY`` set to ``environment`` while it opens; ``force``: used
@@ -72,7 +80,8 @@ def _shared_memory_worker(rank: int, world_size: int) -> dict:
     same, expected_rows = [], []
     for dtype, numel in CASES:
         for exchange, expected in ((_gather, [_row(r, dtype, numel) for r in ranks]),
-                                   (_exchange_rows, [_piece(r, rank, dtype, numel) for r in ranks])):
+                                   (_exchange_rows, [_piece(r, rank, dtype, numel) for r in ranks]),
+                                   (_exchanged_rows, [_piece(r, rank, dtype, numel) for r in ranks])):
             through_shared = exchange(shared_group, dtype, numel)
             through_gloo = exchange(gloo_group, dtype, numel)
             same.append(torch.equal(through_shared.view(torch.uint8), through_gloo.view(torch.uint8)))
