@@ -38,7 +38,7 @@ from torch import nn
 
 from compshard.eager_gather import EagerReductions, accumulate_grad
 from compshard.ops import (ShardLayout, averaging_ranks, exchanged_rows, group_rank, group_size,
-                           reduce_scatters_by_exchange, sum_over_ranks)
+                           reduce_scatters_by_exchange, sum_over_ranks, sum_rows_into_shards)
 from compshard.options import CompileOptions
 
 __all__ = ["DEFAULT_BUCKET_BYTES", "GradSync", "no_sync", "reduce_accumulated_gradients", "set_requires_gradient_sync"]
@@ -212,15 +212,16 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
                                                        first.grad.dtype, divisor if divisor != 1 else None)
     del first
     bucket.clear()  # the full gradients are packed: release them before the reduction allocates
+    local_numels = [math.prod(layout.local_shape) for layout in layouts]
     if world_size > 1 and group_size(spec.replicate_group) == 1 and reduce_scatters_by_exchange(spec.group_name,
                                                                                                  packed.device):
-        reduced = exchanged_rows(packed, world_size, spec.group_name)  # (world_size, S): summed as unpacked
+        received = exchanged_rows(packed, world_size, spec.group_name)
+        flats = sum_rows_into_shards(received, shard_numels, local_numels, shard_dtype)
     else:
         reduced = sum_over_ranks(packed, ShardLayout((world_size, sum(shard_numels)), world_size, rank),
                                  spec.group_name, spec.replicate_group)
-    del packed  # (where the reduction returned a new tensor) before unpacking allocates
-    local_numels = [math.prod(layout.local_shape) for layout in layouts]
-    flats = torch.ops.compshard.reduce_scatter_copy_out(reduced, shard_numels, local_numels, shard_dtype)
+        del packed  # (where the reduction returned a new tensor) before unpacking allocates
+        flats = torch.ops.compshard.reduce_scatter_copy_out(reduced, shard_numels, local_numels, shard_dtype)
     return [flat.view(layout.local_shape) for flat, layout in zip(flats, layouts)]
 
 

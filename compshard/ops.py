@@ -54,7 +54,7 @@ from __future__ import annotations
 import math
 import contextlib
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import Iterator, NamedTuple, Sequence
 
 import torch
 import torch.distributed as dist
@@ -192,6 +192,7 @@ def all_gathers_by_send_recv(group_name: str, device: torch.device) -> bool:
 # The point-to-point tag of compshard's row sends: a user's own sends on the same group
 # (tag 0 by default) cannot be taken for them.
 GATHER_ROWS_TAG = 0x6373
+EXCHANGE_ROWS_TAG = GATHER_ROWS_TAG + 1  # eager reductions' sends (exchanged_rows)
 
 torch.library.define("compshard::gather_rows_", "(Tensor(a!) buffer, int world_size, str group_name) -> Tensor(a!)")
 
@@ -248,19 +249,31 @@ def exchange_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> tor
     return _c10d.wait_tensor(torch.ops.compshard.exchange_rows_(buffer, world_size, group_name))
 
 
-def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    """The ``(world_size, -1)`` rows rank ``p`` sent this rank (row ``p``), for a caller
-    that reads them once (eager reductions): ``buffer`` exchanged in place
-    (:func:`exchange_rows`) where it goes through shared memory, else gloo's all-to-all
-    into a new tensor, without the copy back into ``buffer`` that the in-place op makes
-    (a copy of the whole buffer: on the 2 x 2 pipeline benchmark's 47 MiB GPT, 24 MiB
-    per stage and step). ``buffer`` may be overwritten either way."""
-    if shared_rows(resolve_group(group_name)) is not None:
-        received = exchange_rows(buffer, world_size, group_name)
-    else:
-        split = [buffer.numel() // world_size] * world_size
-        received = _c10d.wait_tensor(_c10d.all_to_all_single(buffer, split, split, group_name))
-    return received.view(world_size, -1)
+def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> list[torch.Tensor]:
+    """The rows rank ``p`` sent this rank (entry ``p``; ``buffer``'s ``world_size`` equal
+    rows are what this rank sends), for a caller that reads them once (eager
+    reductions). Through shared memory, ``buffer`` exchanged in place
+    (:func:`exchange_rows`). Else sends and receives on gloo, as the all-gather's
+    (``compshard::gather_rows_``): each other rank's row received into a new tensor, this
+    rank's own row read where it lies in ``buffer``. gloo's all-to-all would copy the own
+    row into its output too, and the in-place op copies all of its output back; at 2
+    ranks in the 2 x 2 pipeline benchmark the exchange took 0.6 against 1.1 ms of CPU a
+    rank for the small GPT's 1.8 MiB stage. ``buffer`` may be overwritten."""
+    rows = buffer.view(world_size, -1)
+    group = resolve_group(group_name)
+    if shared_rows(group) is not None:
+        return list(exchange_rows(buffer, world_size, group_name).view(world_size, -1))
+    rank = group.rank()
+    received = rows.new_empty((world_size - 1, rows.shape[1]))  # step s: from rank - s
+    with torch.profiler.record_function("compshard::exchanged_rows"):  # (what profiles count it by)
+        works = []
+        for step in range(1, world_size):  # sends go out at once; each rank's order starts at its next peer
+            to, source = (rank + step) % world_size, (rank - step) % world_size
+            works += [group.send([rows[to]], to, EXCHANGE_ROWS_TAG),
+                      group.recv([received[step - 1]], source, EXCHANGE_ROWS_TAG)]
+        for work in works:
+            work.wait()
+    return [rows[rank] if p == rank else received[(rank - p) % world_size - 1] for p in range(world_size)]
 
 
 class _CopiedBack(dist.Work):
@@ -438,18 +451,36 @@ def reduce_scatter_sum(buffer: torch.Tensor, world_size: int, group_name: str) -
     return sum_rows(exchanged_rows(buffer, world_size, group_name))
 
 
-def sum_rows(rows: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The sum over dim 0 of ``rows`` (the rows an exchange received, in rank order), into
-    ``out`` when given (cast to its dtype as ``Tensor.to`` does); eager and compiled
-    reductions alike (``reduce_scatter_copy_out`` unpacks each parameter's columns
-    through it). Two rows: one ``add``, which on CPU took a third of the time of
-    ``sum(0)`` (1.75 against 5.4 ms on 2 x 3.4M fp32; ``sum(0)`` was the faster at 3 and
-    more rows). The values are the same; only the sign of a zero can differ (``-0.0 +
-    -0.0`` is ``-0.0``, as a reduce-scatter gives, where ``sum(0)`` gives ``+0.0``)."""
-    if rows.shape[0] == 2:
+def sum_rows(rows: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum of ``rows`` (the rows an exchange received, in rank order: a tensor's dim 0
+    or a list of equal tensors), into ``out`` when given (cast to its dtype as
+    ``Tensor.to`` does); eager and compiled reductions alike
+    (:func:`sum_rows_into_shards` unpacks each parameter's columns through it). Two
+    rows: one ``add``, which on CPU took a third of the time of ``sum(0)`` (1.75 against
+    5.4 ms on 2 x 3.4M fp32; ``sum(0)`` was the faster at 3 and more rows; a list is
+    stacked for it, the same bits as its rows in one tensor). The values are the same;
+    only the sign of a zero can differ (``-0.0 + -0.0`` is ``-0.0``, as a reduce-scatter
+    gives, where ``sum(0)`` gives ``+0.0``)."""
+    if len(rows) == 2:
         return torch.add(rows[0], rows[1], out=out)
-    total = rows.sum(0)  # (sum's own out= sums in the out dtype)
+    total = (rows if isinstance(rows, torch.Tensor) else torch.stack(list(rows))).sum(0)  # (out= would sum in its dtype)
     return total if out is None else out.copy_(total)
+
+
+def sum_rows_into_shards(rows: torch.Tensor | Sequence[torch.Tensor], shard_numels: Sequence[int],
+                         local_numels: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+    """Each parameter's shard (``local_numels[i]`` elements, cast to ``dtype``) summed
+    straight from its columns of the exchanged ``rows`` (:func:`sum_rows`): no buffer of
+    the sums, and one pass fewer (on CPU 1.8 against 4.1 ms for 27 MiB received in 48
+    parameters)."""
+    shards = [rows[0].new_empty(n, dtype=dtype) for n in local_numels]
+    offset = 0
+    for shard, length, numel in zip(shards, shard_numels, local_numels):
+        columns = rows[:, offset:offset + numel] if isinstance(rows, torch.Tensor) else [
+            row[offset:offset + numel] for row in rows]
+        sum_rows(columns, out=shard)
+        offset += length
+    return shards
 
 
 @reduce_grad.register_fake
@@ -554,15 +585,10 @@ def reduce_scatter_copy_out(
     custom op's outputs may not alias one another (the kernels' default is views of one
     buffer). ``reduced``: this rank's rows of the reduced buffer, or (2-D) the rows an
     exchange received from every rank (:func:`reduce_scatters_by_exchange`), summed here
-    parameter by parameter (:func:`sum_rows`, straight into each shard): no buffer of
-    the sums, and one pass fewer (on CPU 1.8 against 4.1 ms for 27 MiB received in 48
-    parameters)."""
-    shards = [reduced.new_empty(n, dtype=dtype) for n in local_numels]
+    parameter by parameter (:func:`sum_rows_into_shards`)."""
     if reduced.dim() == 2:
-        columns = reduced.split(shard_numels, dim=1)
-        for shard, block, numel in zip(shards, columns, local_numels):
-            sum_rows(block[:, :numel], out=shard)
-        return shards
+        return sum_rows_into_shards(reduced, shard_numels, local_numels, dtype)
+    shards = [reduced.new_empty(n, dtype=dtype) for n in local_numels]
     copy_out = _kernel("reduce_scatter_copy_out", [dtype, reduced.dtype], reduced.device)
     copy_out(reduced, shard_numels, local_numels, dtype, out=shards)
     return shards

@@ -180,15 +180,15 @@ PIPELINE_ADAMW = {**ADAMW, "eps": 1e-4}
 # The collectives a step issues, at the functional-collective level: uncompiled compshard
 # ops, a compiled graph's lowered collectives and the step's gathering all go through them.
 # On gloo a reduce-scatter is an all-to-all and a local sum (ops.reduce_scatters_by_exchange):
-# compshard::exchange_rows_ in place, or (eager, without shared memory) gloo's own into a new
-# tensor (ops.exchanged_rows); an all-gather is compshard::gather_rows_
+# compshard::exchange_rows_ in place, or (eager, without shared memory) the sends and receives
+# of ops.exchanged_rows (its profiler range); an all-gather is compshard::gather_rows_
 # (ops.all_gathers_by_send_recv). Nothing else in a step exchanges or gathers rows.
 COLLECTIVES = {
     "all_gathers": ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out",
                     "_c10d_functional::all_gather_into_tensor_coalesced", "compshard::gather_rows_"),
     "reduce_scatters": ("_c10d_functional::reduce_scatter_tensor",
                         "_c10d_functional::reduce_scatter_tensor_coalesced", "compshard::exchange_rows_",
-                        "_c10d_functional::all_to_all_single"),
+                        "compshard::exchanged_rows"),
 }
 
 

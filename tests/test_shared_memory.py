@@ -47,11 +47,11 @@ def _exchange_rows(group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> 
 
 
 def _exchanged_rows(group: dist.ProcessGroup, dtype: torch.dtype, numel: int) -> torch.Tensor:
-    """As :func:`_exchange_rows`, through the eager reductions' read-once exchange (gloo's
-    all-to-all into a new tensor where the group does not use shared memory)."""
+    """As :func:`_exchange_rows`, through the eager reductions' read-once exchange (sends
+    and receives where the group does not use shared memory)."""
     world_size, rank = group.size(), group.rank()
     buffer = torch.stack([_piece(rank, receiver, dtype, numel) for receiver in range(world_size)])
-    return ops.exchanged_rows(buffer.view(-1), world_size, group.group_name)
+    return torch.stack(ops.exchanged_rows(buffer.view(-1), world_size, group.group_name))
 
 
 def _new_group(ranks: list[int], environment: str | None = None, *, force: bool = False) -> tuple:
