@@ -163,8 +163,9 @@ def reduce_scatters_by_exchange(group_name: str, device: torch.device) -> bool:
     host the exchange goes through shared memory (:mod:`compshard.shared_memory`): at 2
     ranks, a fresh buffer of 6.6, 27 and 47 MiB took 1.1, 8.7 and 6.5 ms against 5.7,
     26.8 and 47.0 ms through gloo's all-to-all (with its fresh output). Elsewhere gloo's
-    all-to-all receives into a temporary, which the in-place op's wait copies back and
-    eager reductions read instead (:func:`exchanged_rows`).
+    all-to-all receives into a temporary, which the in-place op's wait copies back;
+    eager reductions send and receive the rows instead, and read them once
+    (:func:`exchanged_rows`).
     The sum adds the ranks' rows in rank order: at two ranks the result is the same
     bits (addition commutes); with more, the order may differ from gloo's."""
     return backend_name(group_name, device) == "gloo"
