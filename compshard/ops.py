@@ -258,8 +258,9 @@ def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> li
     (``compshard::gather_rows_``): each other rank's row received into a new tensor, this
     rank's own row read where it lies in ``buffer``. gloo's all-to-all would copy the own
     row into its output too, and the in-place op copies all of its output back; at 2
-    ranks in the 2 x 2 pipeline benchmark the exchange took 0.6 against 1.1 ms of CPU a
-    rank for the small GPT's 1.8 MiB stage. ``buffer`` may be overwritten."""
+    ranks in the 2 x 2 pipeline benchmark the exchange took 0.7 to 1.0 ms of CPU a rank
+    against 0.9 to 1.4 for the small GPT's 1.8 MiB stage. ``buffer`` may be
+    overwritten."""
     rows = buffer.view(world_size, -1)
     group = resolve_group(group_name)
     if shared_rows(group) is not None:
