@@ -195,6 +195,15 @@ def all_gathers_by_send_recv(group_name: str, device: torch.device) -> bool:
 GATHER_ROWS_TAG = 0x6373
 EXCHANGE_ROWS_TAG = GATHER_ROWS_TAG + 1  # eager reductions' sends (exchanged_rows)
 
+def _peers(rank: int, world_size: int) -> Iterator[tuple[int, int]]:
+    """``(to, source)`` for each step of a send-and-receive exchange among ``world_size``
+    ranks: at step ``s`` this rank sends to rank ``rank + s`` and receives from rank
+    ``rank - s`` (modulo ``world_size``), so the sends go out at once and each rank's
+    order starts at its next peer."""
+    for step in range(1, world_size):
+        yield (rank + step) % world_size, (rank - step) % world_size
+
+
 torch.library.define("compshard::gather_rows_", "(Tensor(a!) buffer, int world_size, str group_name) -> Tensor(a!)")
 
 
@@ -207,8 +216,7 @@ def _gather_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> tor
         torch._C._distributed_c10d._register_work(buffer, shared.start_all_gather(rows))
         return buffer
     rank = group.rank()
-    for step in range(1, world_size):  # sends go out at once; each rank's order starts at its next peer
-        to, source = (rank + step) % world_size, (rank - step) % world_size
+    for to, source in _peers(rank, world_size):
         works = (group.send([rows[rank]], to, GATHER_ROWS_TAG), group.recv([rows[source]], source, GATHER_ROWS_TAG))
         for work in works:
             torch._C._distributed_c10d._register_work(buffer, work)  # wait_tensor(buffer) waits for them all
@@ -261,18 +269,16 @@ def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> li
     ranks in the 2 x 2 pipeline benchmark the exchange took 0.7 to 1.0 ms of CPU a rank
     against 0.9 to 1.4 for the small GPT's 1.8 MiB stage. ``buffer`` may be
     overwritten."""
-    rows = buffer.view(world_size, -1)
     group = resolve_group(group_name)
     if shared_rows(group) is not None:
         return list(exchange_rows(buffer, world_size, group_name).view(world_size, -1))
+    rows = buffer.view(world_size, -1)
     rank = group.rank()
-    received = rows.new_empty((world_size - 1, rows.shape[1]))  # step s: from rank - s
+    received = rows.new_empty((world_size - 1, rows.shape[1]))  # row s - 1: from rank - s (step s)
     with torch.profiler.record_function("compshard::exchanged_rows"):  # (what profiles count it by)
         works = []
-        for step in range(1, world_size):  # sends go out at once; each rank's order starts at its next peer
-            to, source = (rank + step) % world_size, (rank - step) % world_size
-            works += [group.send([rows[to]], to, EXCHANGE_ROWS_TAG),
-                      group.recv([received[step - 1]], source, EXCHANGE_ROWS_TAG)]
+        for row, (to, source) in zip(received, _peers(rank, world_size)):
+            works += [group.send([rows[to]], to, EXCHANGE_ROWS_TAG), group.recv([row], source, EXCHANGE_ROWS_TAG)]
         for work in works:
             work.wait()
     return [rows[rank] if p == rank else received[(rank - p) % world_size - 1] for p in range(world_size)]
