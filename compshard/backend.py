@@ -9,10 +9,12 @@ One call of the backend compiles one Dynamo graph; its
 Dynamo graph's pipeline to the joint graph's, through the partition, to the forward's and
 the backward's (or the inference graph's), each returning the next plan.
 
-Execution: ``codegen="fx"`` (default) runs each scheduled graph as generated Python with
-the boxed calling convention, so inputs and intermediates are released after their last
-use; ``codegen="inductor"`` compiles the compute between compshard's scheduled nodes with
+Execution: ``codegen="fx"`` runs each scheduled graph as generated Python with the boxed
+calling convention, so inputs and intermediates are released after their last use;
+``codegen="inductor"`` compiles the compute between compshard's scheduled nodes with
 Inductor and runs those nodes where the passes put them (:mod:`compshard.inductor_regions`).
+The default, ``"auto"``, is resolved once per Dynamo graph from the devices of its inputs
+(:func:`compshard.options.resolve_codegen`): Inductor on CUDA, fx elsewhere.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ class CompiledGraph:
     kind: GraphKind
     gm: fx.GraphModule
     plan: CompilePlan
-    codegen: str  # how it runs: "fx", or "inductor (N compiled regions)"
+    codegen: str  # how it runs: "fx", or "inductor (N compiled regions)"; ", auto" when chosen by codegen="auto"
 
     @property
     def graph_plan(self) -> GraphPlan:
@@ -68,7 +70,8 @@ def record_compiles() -> Iterator[list[CompiledGraph]]:
 
 
 def _executor(gm: fx.GraphModule, options: CompileOptions, kind: GraphKind) -> tuple[Callable, str]:
-    """The boxed callable that runs the scheduled ``gm``, and how it runs (for inspect)."""
+    """The boxed callable that runs the scheduled ``gm``, and how it runs (for inspect).
+    ``options.codegen`` is resolved (``"fx"`` or ``"inductor"``)."""
     if options.codegen == "inductor":
         from compshard.inductor_regions import compile_regions
 
@@ -140,7 +143,8 @@ def schedules_nothing(gm: fx.GraphModule, options: CompileOptions) -> bool:
 def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
     """torch.compile backend entry: ``torch.compile(m, backend="compshard", options=...)``.
     A graph with nothing to schedule (:func:`schedules_nothing`) runs as captured."""
-    opts = CompileOptions.from_dict(options)
+    requested = CompileOptions.from_dict(options)
+    opts = requested.for_devices(t.device for t in example_inputs if isinstance(t, torch.Tensor))
     if schedules_nothing(gm, opts):
         logs.log.info("compshard: a graph that reads no sharded parameter, with nothing to schedule, runs as "
                       "captured (eager autograd)")
@@ -162,6 +166,8 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
                 logs.log_plan(plan)
             logs.log_schedule(graph_module, plan.graphs[-1])
             executor, codegen = _executor(graph_module, opts, kind)
+            if requested.codegen == "auto":
+                codegen += ", auto"
             for recorded in _recordings:
                 recorded.append(CompiledGraph(kind, graph_module, plan, codegen))
             return executor

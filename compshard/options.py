@@ -6,10 +6,14 @@ with an error that names the option and what is allowed, before anything is comp
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
-from typing import Any, Mapping
+from dataclasses import dataclass, fields, replace
+from typing import Any, Iterable, Literal, Mapping, get_args
 
-__all__ = ["CompileOptions"]
+import torch
+
+__all__ = ["CompileOptions", "Codegen", "resolve_codegen"]
+
+Codegen = Literal["auto", "fx", "inductor"]
 
 
 @dataclass(frozen=True)
@@ -17,8 +21,12 @@ class CompileOptions:
     """Options of the compshard backend.
 
     Attributes:
-        codegen: ``"fx"`` runs the scheduled FX graphs as Python (fast to compile, the
-            default); ``"inductor"`` hands them to Inductor for fused code.
+        codegen: how the scheduled graphs run. ``"fx"``: as generated Python, one call per
+            op (fast to compile). ``"inductor"``: the compute between compshard's scheduled
+            nodes is compiled by Inductor into fused kernels (slower to compile, faster to
+            run on GPUs). ``"auto"`` (the default): ``"inductor"`` for a graph whose tensors
+            are on a CUDA device, ``"fx"`` otherwise (on CPU, Inductor's C++ compile takes
+            minutes and gains little); see :func:`resolve_codegen`.
         buckets: how parameters are grouped into buckets, each gathered, reduce-scattered
             and freed as one piece (neighbouring buckets may share a collective: ``coalesce``).
             ``"auto"``: one bucket per repeated block of the module tree (``layers.3``),
@@ -61,7 +69,7 @@ class CompileOptions:
         verify: check graph invariants after every pass (slower compiles; for debugging).
     """
 
-    codegen: str = "fx"
+    codegen: Codegen = "auto"
     buckets: Any = "auto"
     bucket_mb: float = 32.0
     coalesce: str = "auto"
@@ -84,6 +92,20 @@ class CompileOptions:
             if problem:
                 raise ValueError(f"compshard: option {name!r} must be {problem}, got {value!r}")
         return cls(**options)
+
+    def for_devices(self, devices: Iterable[torch.device]) -> "CompileOptions":
+        """These options with ``codegen`` resolved for a graph whose tensors live on
+        ``devices`` (``"auto"`` becomes ``"fx"`` or ``"inductor"``)."""
+        return replace(self, codegen=resolve_codegen(self.codegen, devices))
+
+
+def resolve_codegen(codegen: Codegen, devices: Iterable[torch.device]) -> Literal["fx", "inductor"]:
+    """The codegen a graph runs with: ``codegen`` itself unless it is ``"auto"``, which
+    picks ``"inductor"`` when any of the graph's tensors is on a CUDA device and ``"fx"``
+    otherwise. Every rank of a job decides alike: its tensors are on the same device type."""
+    if codegen != "auto":
+        return codegen
+    return "inductor" if any(torch.device(d).type == "cuda" for d in devices) else "fx"
 
 
 def _is_number(value: Any) -> bool:
@@ -130,7 +152,7 @@ def _recompute(value: Any) -> str | None:
 
 
 _VALIDATORS = {
-    "codegen": _choice("fx", "inductor"),
+    "codegen": _choice(*get_args(Codegen)),
     "buckets": _buckets,
     "bucket_mb": _positive,
     "coalesce": _choice("auto", "none"),

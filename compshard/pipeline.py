@@ -148,7 +148,7 @@ class Pipeline:
         self._sharded = self._data_parallel > 1
         if self._sharded:
             shard(self.module, mesh=mesh["dp"])
-        options = CompileOptions.from_dict(compile_options)
+        options = CompileOptions.from_dict(compile_options).for_devices([device])
         self._compile_requested = compile_options is not None
         self._compiled = self._compile_requested and compiles_stage(options, self._sharded, reshard)
         self._reshard = reshard

@@ -75,7 +75,8 @@ class Report:
             when there are several plans) -> pass name -> wall seconds that pass took.
         codegen: graph name -> how the scheduled graph runs: ``"fx"``, or ``"inductor (N
             compiled regions)"`` (the compute between scheduled nodes, compiled by
-            Inductor; see :mod:`compshard.inductor_regions`).
+            Inductor; see :mod:`compshard.inductor_regions`), followed by ``", auto"``
+            where ``codegen="auto"`` (the default) chose it from the graph's devices.
     """
 
     def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None,

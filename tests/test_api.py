@@ -35,7 +35,7 @@ def test_inspect_after_batch_sizes_made_the_graph_dynamic():
     "options, message",
     [
         ({"prefetch_depth": 2}, "unknown option(s) ['prefetch_depth']; allowed options are"),
-        ({"codegen": "triton"}, "option 'codegen' must be one of ['fx', 'inductor']"),
+        ({"codegen": "triton"}, "option 'codegen' must be one of ['auto', 'fx', 'inductor']"),
         ({"check_schedule": "yes"}, "option 'check_schedule' must be True or False"),
     ],
 )
