@@ -14,7 +14,11 @@ rank training on its own local batch with no communication, so it is the compute
 bound under the same CPU/GPU contention as the real runs. --options (JSON) go to the
 compshard backend as compile options; "compshard-auto" is compshard with
 memory_budget_mb="auto" over them (buckets kept gathered into backward in room freed by
-recompute, within eager FSDP2's estimated peak).
+recompute, within eager FSDP2's estimated peak). "compshard-gloo" and "compshard-auto-gloo"
+are the same two with compshard's collectives on gloo's sockets (a process group of their
+own, opened with COMPSHARD_SHARED_MEMORY=0), as FSDP2's and DDP's are: where the ranks
+share a host, the plain compshard systems move their rows through shared memory, so the
+pair tells the compiler's schedule from the transport.
 
 Per system it reports the median step time (the largest per-rank median) and its ratio
 to eager FSDP2, tokens/s (global batch tokens / median step), the per-rank peak memory
@@ -28,7 +32,8 @@ parameters + gradients + optimizer state per rank, the final loss, and:
     compshard: compshard.inspect on a freshly sharded copy (its report's all-gathers,
       reduce-scatters and all-reduces; on gloo its reduce-scatters are all-to-alls and a
       local sum, and its all-gathers sends and receives of the rows, or the rows through
-      shared memory where the ranks share a host: replayed as such).
+      shared memory where the ranks share a host: replayed as such, a "-gloo" system's on
+      its own group, through gloo).
     FSDP2 (eager and compiled alike): from the fully_shard units of a freshly wrapped
       copy: one all-gather per unit in forward, one more in backward for every unit
       resharded after forward (all but the root), one reduce-scatter per unit; sizes are
@@ -128,7 +133,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 import compshard  # noqa: E402
 from compshard.ops import all_gather_rows, exchange_rows, sum_rows  # noqa: E402
 from harness import (  # noqa: E402
-    COMPSHARD_SYSTEMS, SYSTEMS, Result, mib, progress, train, start_workload,
+    COMPSHARD_SYSTEMS, SYSTEMS, Result, gloo_mesh, mib, progress, start_workload, through_gloo, train,
     wrap_fsdp2, write_results,
 )
 
@@ -211,34 +216,42 @@ def step_collectives(
     raise ValueError(f"no collective derivation for system {system!r}")
 
 
-def replay_seconds(collectives: list[Collective], device: torch.device, repeats: int) -> list[float]:
-    """Seconds per replay of ``collectives``, one after another, on the default group."""
-    world_size = dist.get_world_size()
+def replay_group(system: str, device: torch.device) -> dist.ProcessGroup:
+    """The group ``system``'s collectives run on: a "-gloo" system's own (shared memory
+    off), else the default group."""
+    return gloo_mesh(device.type).get_group() if through_gloo(system) else dist.group.WORLD
+
+
+def replay_seconds(
+    collectives: list[Collective], device: torch.device, repeats: int, group: dist.ProcessGroup,
+) -> list[float]:
+    """Seconds per replay of ``collectives``, one after another, on ``group`` (every rank's)."""
+    world_size = group.size()
     element = torch.tensor([], dtype=REPLAY_DTYPE).element_size()
     numels = [math.ceil(c.nbytes / element / world_size) * world_size for c in collectives]
     full = torch.zeros(max(numels, default=0), dtype=REPLAY_DTYPE, device=device)
     shard = torch.zeros(full.numel() // world_size, dtype=REPLAY_DTYPE, device=device)
-    group_name = dist.group.WORLD.group_name
+    group_name = group.group_name
 
     def replay() -> None:
         for collective, numel in zip(collectives, numels):
             if collective.op == "gather_rows_":
                 all_gather_rows(full[:numel], world_size, group_name)
             elif collective.kind == "all_gather":
-                ALL_GATHER(full[:numel], shard[: numel // world_size])
+                ALL_GATHER(full[:numel], shard[: numel // world_size], group=group)
             elif collective.op == "exchange_rows_":
                 received = exchange_rows(full[:numel], world_size, group_name)
                 sum_rows(received.view(world_size, -1), out=shard[: numel // world_size])
             elif collective.kind == "reduce_scatter":
-                REDUCE_SCATTER(shard[: numel // world_size], full[:numel])
+                REDUCE_SCATTER(shard[: numel // world_size], full[:numel], group=group)
             elif collective.kind == "all_reduce":
-                dist.all_reduce(full[:numel])
+                dist.all_reduce(full[:numel], group=group)
             else:
                 raise ValueError(f"cannot replay a collective of kind {collective.kind!r}")
 
     times = []
     for index in range(repeats + 1):
-        dist.barrier()
+        dist.barrier(group=group)
         if device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
@@ -337,7 +350,7 @@ def main(args: argparse.Namespace) -> None:
             comm_times = []
             progress(f"  {system}: {len(collectives[system])} collectives per step (fake process group: not replayed)")
         else:
-            comm_times = replay_seconds(collectives[system], device, args.comm_repeats)
+            comm_times = replay_seconds(collectives[system], device, args.comm_repeats, replay_group(system, device))
             progress(f"  {system}: {len(collectives[system])} collectives per step, "
                      f"alone {statistics.median(comm_times) * 1e3:.1f} ms")
         rows[system] = gather_row(results[system], collectives[system], comm_times)

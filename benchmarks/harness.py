@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import copy
 import datetime
+import functools
 import json
 import os
 import platform
@@ -40,6 +41,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from torch import nn  # noqa: E402
+from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import compshard  # noqa: E402
@@ -72,17 +74,62 @@ def progress(message: str) -> None:
 # ------------------------------------------------------------------------------ systems
 
 
-def wrap_compshard(model: nn.Module, **compile_options) -> Callable:
-    compshard.shard(model)
+def wrap_compshard(model: nn.Module, mesh: DeviceMesh | None = None, **compile_options) -> Callable:
+    compshard.shard(model, mesh=mesh)
     return torch.compile(model, backend="compshard", options=compile_options or None)
 
 
-# The systems compshard compiles, and the options each sets over the caller's (--options).
+def open_through_gloo(groups: list[dist.ProcessGroup]) -> None:
+    """Open compshard's row exchange of each group with shared memory turned off
+    (``COMPSHARD_SHARED_MEMORY=0`` while they open; the choice is made once per group), so
+    compshard's collectives on them go through gloo's sockets, as FSDP2's and DDP's do.
+    Collective over each group."""
+    setting = os.environ.get("COMPSHARD_SHARED_MEMORY")
+    os.environ["COMPSHARD_SHARED_MEMORY"] = "0"
+    try:
+        for group in groups:
+            compshard.shared_memory.shared_rows(group)
+    finally:
+        if setting is None:
+            del os.environ["COMPSHARD_SHARED_MEMORY"]
+        else:
+            os.environ["COMPSHARD_SHARED_MEMORY"] = setting
+
+
+@functools.cache
+def gloo_mesh(device_type: str) -> DeviceMesh:
+    """A 1-D mesh of every rank on a process group of its own whose compshard exchanges go
+    through gloo's sockets (:func:`open_through_gloo`). Collective on the first call."""
+    group = dist.new_group()
+    open_through_gloo([group])
+    return DeviceMesh.from_group(group, device_type)
+
+
+GLOO = "-gloo"  # suffix of a system whose compshard collectives go through gloo's sockets
+
+
+def through_gloo(system: str) -> bool:
+    """Whether ``system`` runs compshard's collectives on a group of its own through gloo's
+    sockets (``gloo_mesh``), as FSDP2's and DDP's go, instead of the transport compshard
+    picks (shared memory between ranks on one host): a table then tells the compiler's
+    schedule from the transport."""
+    return system.endswith(GLOO)
+
+
+# The systems compshard compiles, and the options each sets over the caller's (--options);
+# each also runs through gloo's sockets under its name + GLOO.
 COMPSHARD_SYSTEMS = {"compshard": {}, "compshard-auto": {"memory_budget_mb": "auto"}}
+COMPSHARD_SYSTEMS |= {name + GLOO: options for name, options in COMPSHARD_SYSTEMS.items()}
 
 
-def _compshard_with(options: dict) -> Wrap:
-    return lambda model, **compile_options: wrap_compshard(model, **{**compile_options, **options})
+def _compshard_system(name: str) -> Wrap:
+    options = COMPSHARD_SYSTEMS[name]
+
+    def wrap(model: nn.Module, **compile_options) -> Callable:
+        mesh = gloo_mesh(next(model.parameters()).device.type) if through_gloo(name) else None
+        return wrap_compshard(model, mesh, **{**compile_options, **options})
+
+    return wrap
 
 
 def wrap_fsdp2(model: nn.Module, compiled: bool = False) -> Callable:
@@ -106,7 +153,7 @@ def wrap_ddp(model: nn.Module) -> Callable:
 RUN_ALONE = {"fsdp2+compile"}
 
 SYSTEMS: dict[str, Wrap] = {
-    **{name: _compshard_with(options) for name, options in COMPSHARD_SYSTEMS.items()},
+    **{name: _compshard_system(name) for name in COMPSHARD_SYSTEMS},
     "fsdp2": wrap_fsdp2,
     "fsdp2+compile": lambda model: wrap_fsdp2(model, compiled=True),
     "ddp": wrap_ddp,
@@ -148,8 +195,8 @@ def held_outside_tensors(system: str) -> int:
     """Bytes a system holds outside torch's allocator that its peak counts: for compshard's
     systems, the shared-memory slots of every group this process has opened
     (``compshard.shared_memory.held_bytes``; a system on groups of its own is also
-    charged for those of the systems before it)."""
-    return compshard.shared_memory.held_bytes() if system.startswith("compshard") else 0
+    charged for those of the systems before it); none for a system through gloo."""
+    return compshard.shared_memory.held_bytes() if system.startswith("compshard") and not through_gloo(system) else 0
 
 
 def peak_tensor_bytes(step: Callable[[], None], device: torch.device, held_at_start: int) -> int:
