@@ -5,6 +5,7 @@
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --options '{"prefetch": 1}'
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_step.py --size bandwidth   # 47 MiB of fp32 parameters
     python benchmarks/bench_step.py --fake-world 8 --batch 64 --systems compshard,fsdp2   # one GPU, world size 8
+    python benchmarks/bench_step.py --fake-world 8 --batch 64 --model llama --dtype bf16 --peak-tflops 989
 
 In one run, on the same machine, the same GPT (compshard.models; from the same weights)
 is trained on the same global batch by every system in --systems (harness.SYSTEMS,
@@ -50,9 +51,16 @@ parameters + gradients + optimizer state per rank, the final loss, and:
   bound; a system gets closer to it by moving fewer bytes in fewer collectives.
 - exposed communication = median step - compute-only (at least 0).
 
-Everything runs in fp32 (also on a GPU, where NCCL is used). A table is printed on rank
-0 and a JSON file (--out) holds the configuration, the command, torch version, device,
-world size and every number, raw step and replay times included.
+Everything runs in fp32 (also on a GPU, where NCCL is used) unless --dtype bf16: mixed
+precision, each system gathering parameters in bf16 and reducing gradients in fp32 (DDP,
+which has no such option, is left out). --model llama trains transformers'
+LlamaForCausalLM (TinyLlama-1.1B's shape by default, harness.LlamaShape) instead of the
+GPT. FSDP2 + compile comes in two forms: "fsdp2+compile", the FSDP2-wrapped model under
+torch.compile, and "fsdp2+compile-blocks", each transformer block compiled before it is
+sharded (torchtitan's way). With --peak-tflops, MFU is the model's training FLOPs of a
+rank's step (harness.flops_per_token) over the step time and that peak. A table is
+printed on rank 0 and a JSON file (--out) holds the configuration, the command, torch
+version, device, world size and every number, raw step and replay times included.
 
 --fake-world N (without torchrun): one process stands in for rank 0 of N under torch's
 fake process group, whose collectives return at once and move no data. The step then
@@ -109,6 +117,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="run as rank 0 of N under torch's fake process group (no torchrun; communication free)")
     parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "step.json",
                         help="JSON file to write")
+    parser.add_argument("--model", choices=["gpt", "llama"], default="gpt",
+                        help="gpt: compshard's GPT of --size and the shape options; llama: transformers' "
+                             "LlamaForCausalLM of harness.LlamaShape (TinyLlama-1.1B's shape) with --llama-shape")
+    parser.add_argument("--llama-shape", default="{}",
+                        help='--model llama: harness.LlamaShape fields to change, as JSON (e.g. \'{"n_layer": 2}\')')
+    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                        help="bf16: mixed precision, parameters gathered in bf16 and gradients reduced in fp32 "
+                             "(compshard's param_dtype, FSDP2's MixedPrecisionPolicy); the compute-only run "
+                             "under autocast")
+    parser.add_argument("--peak-tflops", type=float, default=None,
+                        help="the device's peak TFLOP/s in --dtype, for model FLOPs utilization (MFU) per rank")
     args = parse_workload_arguments(parser, argv)
     if min(args.steps, args.warmup, args.batch, args.layers, args.comm_repeats) < 1:
         parser.error("--steps, --warmup, --batch, --layers and --comm-repeats must be at least 1")
@@ -116,6 +135,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.systems = ",".join(name for name in SYSTEM_NAMES if not (args.fake_world and name == "ddp"))
     args.systems = parse_systems(parser, args.systems, SYSTEM_NAMES)
     args.options = parse_options(parser, args.options)
+    args.llama_shape = parse_options(parser, args.llama_shape)
+    if args.dtype == "bf16" and "ddp" in args.systems:
+        parser.error("--dtype bf16: DDP has no parameter dtype of its own to compare; leave ddp out of --systems")
     if args.fake_world is not None:
         check_fake_world(parser, args)
     return args
@@ -133,7 +155,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 import compshard  # noqa: E402
 from compshard.ops import all_gather_rows, exchange_rows, sum_rows  # noqa: E402
 from harness import (  # noqa: E402
-    COMPSHARD_SYSTEMS, SYSTEMS, Result, gloo_mesh, mib, progress, start_workload, through_gloo, train,
+    COMPSHARD_SYSTEMS, SYSTEMS, LlamaShape, Result, compute_only, flops_per_token, gloo_mesh, mib, progress, start_workload, through_gloo, train,
     wrap_fsdp2, write_results,
 )
 
@@ -160,17 +182,24 @@ class Collective:
 # ------------------------------------------------------------- collectives per system
 
 
-def compshard_collectives(reference: nn.Module, batch: tuple[torch.Tensor, ...], options: dict) -> list[Collective]:
-    """The collectives compshard schedules for one step, from ``compshard.inspect``."""
-    model = compshard.shard(copy.deepcopy(reference).to(batch[0].device))
-    report = compshard.inspect(model, *batch, options=options)
+def compshard_collectives(
+    reference: nn.Module, batch: tuple[torch.Tensor, ...], options: dict, param_dtype: torch.dtype | None,
+) -> list[Collective]:
+    """The collectives compshard schedules for one step, from ``compshard.inspect`` (with
+    the fx codegen: the schedule is the same, and Inductor's compile would be spent twice)."""
+    model = copy.deepcopy(reference).to(batch[0].device)
+    compshard.shard(model, param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    report = compshard.inspect(model, *batch, options={**options, "codegen": "fx"})
     torch._dynamo.reset()
     return [Collective(c["kind"], c["bytes"], c["op"] if c["op"] in ("exchange_rows_", "gather_rows_") else "")
             for c in report.collectives if c["kind"] != "free"]
 
 
-def fsdp2_collectives(reference: nn.Module, device: torch.device, world_size: int) -> list[Collective]:
-    """FSDP2's collectives for one step, derived from the units harness.wrap_fsdp2 makes."""
+def fsdp2_collectives(
+    reference: nn.Module, device: torch.device, world_size: int, param_dtype: torch.dtype | None,
+) -> list[Collective]:
+    """FSDP2's collectives for one step, derived from the units harness.wrap_fsdp2 makes
+    (all-gathers in ``param_dtype`` where given, reduce-scatters in the parameters' dtype)."""
     model = copy.deepcopy(reference).to(device)
     wrap_fsdp2(model)
     units = [m for m in model.modules() if isinstance(m, FSDPModule)]  # pre-order: root first
@@ -178,15 +207,17 @@ def fsdp2_collectives(reference: nn.Module, device: torch.device, world_size: in
     for index, unit in enumerate(units):
         for param in unit.parameters():
             owned[id(param)] = index
-    sizes = [0] * len(units)
+    gathered, reduced = [0] * len(units), [0] * len(units)
     for param in {id(p): p for p in model.parameters()}.values():
         rows = param.shape[0] if param.dim() else 1
         padded = math.ceil(rows / world_size) * world_size * (param.numel() // max(rows, 1))
-        sizes[owned[id(param)]] += padded * param.element_size()
-    root, inner = sizes[0], sizes[1:]  # the root is not resharded after forward
-    forward = [Collective("all_gather", n) for n in (root, *inner)]
-    backward = [c for n in reversed(inner) for c in (Collective("all_gather", n), Collective("reduce_scatter", n))]
-    return forward + backward + [Collective("reduce_scatter", root)]
+        gathered[owned[id(param)]] += padded * (param_dtype or param.dtype).itemsize
+        reduced[owned[id(param)]] += padded * param.element_size()
+    # The root is not resharded after forward: gathered once, in forward.
+    forward = [Collective("all_gather", n) for n in gathered]
+    backward = [c for unit in reversed(range(1, len(units)))
+                for c in (Collective("all_gather", gathered[unit]), Collective("reduce_scatter", reduced[unit]))]
+    return forward + backward + [Collective("reduce_scatter", reduced[0])]
 
 
 def ddp_collectives(reference: nn.Module) -> list[Collective]:
@@ -205,12 +236,13 @@ def ddp_collectives(reference: nn.Module) -> list[Collective]:
 
 def step_collectives(
     system: str, reference: nn.Module, batch: tuple[torch.Tensor, ...], options: dict, world_size: int,
+    param_dtype: torch.dtype | None,
 ) -> list[Collective]:
     """The collectives one training step of ``system`` issues."""
     if system in COMPSHARD_SYSTEMS:
-        return compshard_collectives(reference, batch, {**options, **COMPSHARD_SYSTEMS[system]})
-    if system in ("fsdp2", "fsdp2+compile"):
-        return fsdp2_collectives(reference, batch[0].device, world_size)
+        return compshard_collectives(reference, batch, {**options, **COMPSHARD_SYSTEMS[system]}, param_dtype)
+    if system.startswith("fsdp2"):
+        return fsdp2_collectives(reference, batch[0].device, world_size, param_dtype)
     if system == "ddp":
         return ddp_collectives(reference)
     raise ValueError(f"no collective derivation for system {system!r}")
@@ -266,8 +298,9 @@ def replay_seconds(
 # ---------------------------------------------------------------------------- report
 
 
-def summarize(rows: dict[str, dict], tokens: int) -> list[list]:
-    """Add the derived numbers to every row (in place); return the table."""
+def summarize(rows: dict[str, dict], tokens: int, flops_per_rank_step: float, peak_flops: float | None) -> list[list]:
+    """Add the derived numbers to every row (in place); return the table. MFU: the
+    model's training FLOPs of one rank's step over the step time and ``peak_flops``."""
     compute = rows[COMPUTE_ONLY]["median_step_seconds"]
     fsdp2 = rows.get("fsdp2")
 
@@ -286,6 +319,7 @@ def summarize(rows: dict[str, dict], tokens: int) -> list[list]:
             exposed_comm_seconds=max(0.0, step - compute),
         )
         row["step_vs_floor"] = step / row["floor_seconds"]
+        row["mfu"] = flops_per_rank_step / step / peak_flops if peak_flops else None
         table.append([
             name, f"{row['losses'][-1]:.4f}", f"{step * 1e3:.1f}",
             "-" if row["step_vs_fsdp2"] is None else f"{row['step_vs_fsdp2']:.2f}",
@@ -294,6 +328,7 @@ def summarize(rows: dict[str, dict], tokens: int) -> list[list]:
             mib(row["state_bytes"]), len(row["collectives"]), f"{row['comm_seconds'] * 1e3:.1f}",
             f"{row['lower_bound_seconds'] * 1e3:.1f}", f"{row['floor_seconds'] * 1e3:.1f}",
             f"{row['step_vs_floor']:.2f}", f"{row['exposed_comm_seconds'] * 1e3:.1f}",
+            "-" if row["mfu"] is None else f"{row['mfu']:.1%}",
         ])
     return table
 
@@ -301,7 +336,7 @@ def summarize(rows: dict[str, dict], tokens: int) -> list[list]:
 HEADERS = [
     "system", "final loss", "step ms", "step/fsdp2", "tokens/s", "peak MiB/rank", "peak/fsdp2",
     "params+grads+optim MiB/rank", "collectives/step", "comm alone ms", "lower bound ms", "floor ms", "step/floor",
-    "exposed comm ms",
+    "exposed comm ms", "MFU",
 ]
 
 
@@ -333,15 +368,21 @@ def main(args: argparse.Namespace) -> None:
         from torch.testing._internal.distributed.fake_pg import FakeStore
 
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
+    try:
+        LlamaShape(**args.llama_shape)
+    except TypeError as error:
+        raise SystemExit(f"--llama-shape: {error}") from None
     rank, world_size, device, cfg, reference, batch = start_workload(args)
     started = time.perf_counter()
 
-    wraps = {COMPUTE_ONLY: lambda model: model}
+    param_dtype = {"fp32": None, "bf16": torch.bfloat16}[args.dtype]
+    wraps = {COMPUTE_ONLY: functools.partial(compute_only, param_dtype=param_dtype)}
     for system in args.systems:
-        wraps[system] = functools.partial(SYSTEMS[system], **args.options) if system in COMPSHARD_SYSTEMS \
-            else SYSTEMS[system]
+        options = args.options if system in COMPSHARD_SYSTEMS else {}
+        wraps[system] = SYSTEMS[system] if system == "ddp" \
+            else functools.partial(SYSTEMS[system], param_dtype=param_dtype, **options)
     # Before training: once FSDP2 + compile has run, Dynamo compiles the GPT differently.
-    collectives = {system: step_collectives(system, reference, batch, args.options, world_size)
+    collectives = {system: step_collectives(system, reference, batch, args.options, world_size, param_dtype)
                    for system in args.systems}
     results = train(wraps, reference, batch, steps=args.steps, warmup=args.warmup, device=device)
     rows: dict[str, dict] = {COMPUTE_ONLY: gather_row(results[COMPUTE_ONLY], [], [])}
@@ -355,13 +396,15 @@ def main(args: argparse.Namespace) -> None:
                      f"alone {statistics.median(comm_times) * 1e3:.1f} ms")
         rows[system] = gather_row(results[system], collectives[system], comm_times)
 
-    table = summarize(rows, args.batch * cfg.block_size)
+    tokens = args.batch * cfg.block_size
+    peak_flops = args.peak_tflops * 1e12 if args.peak_tflops else None
+    table = summarize(rows, tokens, flops_per_token(reference, cfg) * tokens / world_size, peak_flops)
     if rank == 0:
         print(tabulate(table, headers=HEADERS))
         config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
                   "comm_repeats": args.comm_repeats, "systems": args.systems, "options": args.options,
-                  "fake_world": args.fake_world}
-        write_results(args.out, device, config, started, rows)
+                  "fake_world": args.fake_world, "model": args.model, "peak_tflops": args.peak_tflops}
+        write_results(args.out, device, config, started, rows, dtype=args.dtype)
     dist.barrier()  # tear down together: rank 0 was still writing
     dist.destroy_process_group()
 

@@ -2,12 +2,17 @@
 # The checks that need one NVIDIA GPU, in one run: the CUDA-only tests, the copy-kernel
 # benchmark (bf16 and fp32 collective buffers), the step benchmark at world size 1
 # (NCCL) on three GPT sizes, the largest also with Inductor codegen, and the step at world
-# size 8 under the fake process group (communication free) on the same three. Results
-# (JSON and one log) go to $OUT, else benchmarks/results/gpu. ONLY (a bash regex) runs
-# just the parts whose names match it.
+# size 8 under the fake process group (communication free) on the same three; then the
+# default options (codegen "auto": Inductor on CUDA) against eager FSDP2 and FSDP2 with
+# per-block torch.compile, bf16 and fp32, on the 156M GPT and a 1.1B HF Llama, at fake
+# world 8 and world size 1. Results (JSON and one log) go to $OUT, else
+# benchmarks/results/gpu. ONLY (a bash regex) runs just the parts whose names match it;
+# PEAK_TFLOPS (bf16 dense, default 989: H100/H200 SXM) and its fp32 counterpart
+# PEAK_TFLOPS_FP32 (default 67) give MFU.
 #
 #     bash benchmarks/gpu_checks.sh
 #     ONLY="CUDA tests|fake world" bash benchmarks/gpu_checks.sh
+#     ONLY="defaults" bash benchmarks/gpu_checks.sh
 #
 # Each part has its own time limit, so one that fails or hangs does not cost the others.
 set -u
@@ -47,3 +52,19 @@ part 60 "step at fake world 8, small GPT" $fake --steps 30 --out "$out/fake8_sma
 part 75 "step at fake world 8, 47 MiB GPT" $fake --steps 30 --size bandwidth --out "$out/fake8_bandwidth.json"
 part 150 "step at fake world 8, 12 x 1024 GPT" $fake --steps 20 --size bandwidth --layers 12 --width 1024 --heads 16 \
     --seq 512 --out "$out/fake8_large.json"
+
+# The defaults against FSDP2 and FSDP2 with per-block compile (and FSDP2 + full-model
+# compile on the GPT), in the same run.
+bf16="--dtype bf16 --peak-tflops ${PEAK_TFLOPS:-989}"
+fp32="--dtype fp32 --peak-tflops ${PEAK_TFLOPS_FP32:-67}"
+gpt="--size bandwidth --layers 12 --width 1024 --heads 16 --seq 512"
+vs="--systems compshard,fsdp2,fsdp2+compile-blocks"
+fake="python3 benchmarks/bench_step.py --fake-world 8 --batch 64 --warmup 2 --steps 15"
+part 200 "defaults, fake world 8, 156M GPT, bf16" $fake $gpt $bf16 $vs --out "$out/defaults_fake8_gpt_bf16.json"
+part 320 "defaults, fake world 8, 1.1B Llama, bf16" $fake --model llama $bf16 $vs --out "$out/defaults_fake8_llama_bf16.json"
+part 200 "defaults, fake world 8, 156M GPT, fp32" $fake $gpt $fp32 $vs --out "$out/defaults_fake8_gpt_fp32.json"
+part 200 "defaults, fake world 8, 156M GPT, bf16, full-model compile" $fake $gpt $bf16 --systems fsdp2,fsdp2+compile \
+    --out "$out/defaults_fake8_gpt_bf16_full_compile.json"
+one="torchrun --standalone --nproc-per-node 1 benchmarks/bench_step.py --batch 8 --warmup 2 --steps 15"
+part 200 "defaults, world 1, 156M GPT, bf16" $one $gpt $bf16 $vs --out "$out/defaults_world1_gpt_bf16.json"
+part 320 "defaults, world 1, 1.1B Llama, bf16" $one --model llama $bf16 $vs --out "$out/defaults_world1_llama_bf16.json"

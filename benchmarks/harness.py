@@ -31,7 +31,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import Callable, Literal, NamedTuple
 
 # Kineto (the profiler that peak_tensor_bytes uses) prints "USDT ... profiler_start/stop"
 # lines on stderr at every profile unless its log level is above them; set before it
@@ -74,8 +74,11 @@ def progress(message: str) -> None:
 # ------------------------------------------------------------------------------ systems
 
 
-def wrap_compshard(model: nn.Module, mesh: DeviceMesh | None = None, **compile_options) -> Callable:
-    compshard.shard(model, mesh=mesh)
+def wrap_compshard(model: nn.Module, mesh: DeviceMesh | None = None, param_dtype: torch.dtype | None = None,
+                   **compile_options) -> Callable:
+    """compshard: ``shard`` (mixed precision where ``param_dtype`` is given: gathered
+    parameters in that dtype, gradients reduced in fp32), then ``torch.compile``."""
+    compshard.shard(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     return torch.compile(model, backend="compshard", options=compile_options or None)
 
 
@@ -125,20 +128,47 @@ COMPSHARD_SYSTEMS |= {name + GLOO: options for name, options in COMPSHARD_SYSTEM
 def _compshard_system(name: str) -> Wrap:
     options = COMPSHARD_SYSTEMS[name]
 
-    def wrap(model: nn.Module, **compile_options) -> Callable:
+    def wrap(model: nn.Module, param_dtype: torch.dtype | None = None, **compile_options) -> Callable:
         mesh = gloo_mesh(next(model.parameters()).device.type) if through_gloo(name) else None
-        return wrap_compshard(model, mesh, **{**compile_options, **options})
+        return wrap_compshard(model, mesh, param_dtype, **{**compile_options, **options})
 
     return wrap
 
 
-def wrap_fsdp2(model: nn.Module, compiled: bool = False) -> Callable:
-    from torch.distributed.fsdp import fully_shard
+def wrap_fsdp2(model: nn.Module, compile: Literal["no", "model", "blocks"] = "no",
+               param_dtype: torch.dtype | None = None) -> Callable:
+    """Eager FSDP2: ``fully_shard`` on each transformer block, then on the root (mixed
+    precision where ``param_dtype`` is given, gradients reduced in fp32). ``compile``:
+    ``"model"``, the wrapped model under ``torch.compile``; ``"blocks"``, each block
+    compiled on its own before it is sharded (``fullgraph=True``), as torchtitan applies
+    compile with FSDP2, so FSDP2's hooks and collectives run eagerly between compiled
+    blocks."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
-    return torch.compile(model) if compiled else model
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
+    blocks = model.blocks
+    for index, block in enumerate(blocks):
+        if compile == "blocks":
+            block = torch.compile(block, fullgraph=True)
+            blocks[index] = block
+        fully_shard(block, mp_policy=policy)
+    fully_shard(model, mp_policy=policy)
+    return torch.compile(model) if compile == "model" else model
+
+
+def compute_only(model: nn.Module, param_dtype: torch.dtype | None = None) -> Callable:
+    """The model as it is (no sharding, no communication); under autocast to
+    ``param_dtype`` where one is given (normalizations and the loss then stay fp32, which
+    the sharded systems' bf16 parameters do not: a reference, not an equal)."""
+    if param_dtype is None:
+        return model
+    device_type = next(model.parameters()).device.type
+
+    def forward(*args: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type, dtype=param_dtype):
+            return model(*args)
+
+    return forward
 
 
 def wrap_ddp(model: nn.Module) -> Callable:
@@ -150,12 +180,14 @@ def wrap_ddp(model: nn.Module) -> Callable:
 # FSDP2 + compile hits a graph break in the GPT's forward, and Dynamo then skips that
 # frame for every model of the process: a compiled system timed after it would run as
 # per-module graphs. So it trains after the others, on its own.
-RUN_ALONE = {"fsdp2+compile"}
+# Per-block compile runs alone too, so that no system is timed beside Dynamo state it left.
+RUN_ALONE = {"fsdp2+compile", "fsdp2+compile-blocks"}
 
 SYSTEMS: dict[str, Wrap] = {
     **{name: _compshard_system(name) for name in COMPSHARD_SYSTEMS},
     "fsdp2": wrap_fsdp2,
-    "fsdp2+compile": lambda model: wrap_fsdp2(model, compiled=True),
+    "fsdp2+compile": functools.partial(wrap_fsdp2, compile="model"),
+    "fsdp2+compile-blocks": functools.partial(wrap_fsdp2, compile="blocks"),
     "ddp": wrap_ddp,
 }
 assert tuple(SYSTEMS) == SYSTEM_NAMES, "cli.SYSTEM_NAMES lists the systems for --help"
@@ -309,10 +341,63 @@ def _train_together(
     return results
 
 
-def make_workload(cfg: GPTConfig, global_batch: int, rank: int, world_size: int, device: torch.device):
+@dataclass(frozen=True)
+class LlamaShape:
+    """An HF Llama (transformers' ``LlamaForCausalLM`` built from a config, random
+    weights, nothing downloaded). The default is TinyLlama-1.1B's shape: 1.10B parameters,
+    grouped-query attention, SwiGLU MLP. Field names follow ``GPTConfig`` where they mean
+    the same (``block_size``: the batch's sequence length)."""
+
+    vocab_size: int = 32000
+    block_size: int = 512
+    n_layer: int = 22
+    n_head: int = 32
+    n_kv_head: int = 4
+    n_embd: int = 2048
+    intermediate: int = 5632
+
+
+class CausalLMLoss(nn.Module):
+    """A transformers causal LM called as the benchmarks call their GPT: ``(inputs,
+    targets)`` -> mean cross-entropy; ``blocks`` are its decoder layers."""
+
+    def __init__(self, lm: nn.Module) -> None:
+        super().__init__()
+        self.lm = lm
+
+    @property
+    def blocks(self) -> nn.ModuleList:
+        return self.lm.model.layers
+
+    def forward(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self.lm(input_ids=inputs).logits
+        return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
+
+
+def build_model(cfg: GPTConfig | LlamaShape) -> nn.Module:
+    if isinstance(cfg, GPTConfig):
+        return GPT(cfg)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
+        max_position_embeddings=cfg.block_size, tie_word_embeddings=False, use_cache=False)
+    return CausalLMLoss(LlamaForCausalLM(config))
+
+
+def flops_per_token(model: nn.Module, cfg: GPTConfig | LlamaShape) -> float:
+    """Training FLOPs per token (forward and backward): 6 per weight of every linear layer
+    (the head included, embedding lookups not) plus causal attention's scores and
+    weighted sums counted in full, 12 x layers x width x sequence (PaLM's estimate)."""
+    weights = sum(m.weight.numel() for m in model.modules() if isinstance(m, nn.Linear))
+    return 6 * weights + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+
+
+def make_workload(cfg: GPTConfig | LlamaShape, global_batch: int, rank: int, world_size: int, device: torch.device):
     """The seeded model and this rank's slice of a seeded global batch."""
     torch.manual_seed(0)
-    reference = GPT(cfg)
+    reference = build_model(cfg)
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (global_batch, cfg.block_size + 1), generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -330,7 +415,8 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def write_results(path: Path, device: torch.device, config: dict, started: float, rows: list, **extra) -> None:
+def write_results(path: Path, device: torch.device, config: dict, started: float, rows: list, dtype: str = "fp32",
+                  **extra) -> None:
     """The benchmark's JSON record: command, versions, device, configuration, results."""
     record = {
         "command": shlex.join([sys.executable, *sys.argv]),
@@ -338,7 +424,7 @@ def write_results(path: Path, device: torch.device, config: dict, started: float
         "device": device_name(device),
         "backend": dist.get_backend(),
         "world_size": dist.get_world_size(),
-        "dtype": "fp32",
+        "dtype": dtype,
         "config": config,
         **extra,
         "wall_seconds": time.perf_counter() - started,
@@ -349,15 +435,21 @@ def write_results(path: Path, device: torch.device, config: dict, started: float
     progress(f"wrote {path}")
 
 
-def start_workload(args) -> tuple[int, int, torch.device, GPTConfig, nn.Module, tuple[torch.Tensor, torch.Tensor]]:
-    """Join the job and build the workload of ``add_workload_arguments``' options:
+def start_workload(args) -> tuple[int, int, torch.device, GPTConfig | LlamaShape, nn.Module,
+                                  tuple[torch.Tensor, torch.Tensor]]:
+    """Join the job and build the workload of ``add_workload_arguments``' options (the
+    GPT), or of ``--model llama`` and ``--llama-shape`` where a script has them:
     (rank, world size, device, config, seeded reference model, this rank's batch)."""
     rank, world_size, device = init_distributed()
     if args.batch % world_size:
         raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world_size}")
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.width)
+    if getattr(args, "model", "gpt") == "llama":
+        cfg: GPTConfig | LlamaShape = LlamaShape(**args.llama_shape)
+    else:
+        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
+                        n_embd=args.width)
     reference, batch = make_workload(cfg, args.batch, rank, world_size, device)
-    progress(f"GPT {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, {world_size} ranks "
-             f"on {device.type} ({dist.get_backend()}), global batch {args.batch} x {cfg.block_size} tokens")
+    progress(f"{type(reference).__name__} {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, "
+             f"{world_size} ranks on {device.type} ({dist.get_backend()}), global batch {args.batch} x "
+             f"{cfg.block_size} tokens")
     return rank, world_size, device, cfg, reference, batch
