@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from compshard import cost_model, eager_gather, ops
+from compshard import cost_model, eager_gather, ops, tensor_parallel
 from compshard.grad_sync import GradSync
 from compshard.module_tree import outermost_match, repeated_block, repeated_containers
 from compshard.torch_compat import constant_lookup
@@ -137,6 +137,14 @@ def _spec_of(module: nn.Module, name: str) -> ParamSpec:
 
 
 def _unshard(module: nn.Module, name: str) -> torch.Tensor:
+    """``module.<name>`` gathered across the shard group; a parameter that a
+    tensor-parallel plan placed comes back as the plan's DTensor (:mod:`compshard.tensor_parallel`)."""
+    full = _gathered(module, name)
+    layouts = getattr(module, "_compshard_tensor_parallel", None)
+    return full if layouts is None or name not in layouts else layouts[name].placed(full)
+
+
+def _gathered(module: nn.Module, name: str) -> torch.Tensor:
     spec = _spec_of(module, name)
     state = module._compshard_grad_sync
     if state.step_gathered is not None:  # compshard.step_gather: gathered once for the step
@@ -384,13 +392,15 @@ def shard(
         names = tuple(name for name, p in sub._parameters.items() if p is not None)
         if not names or hasattr(sub, "_compshard_specs"):
             continue
-        specs = {}
+        specs, layouts = {}, {}
         for name in names:
             original = sub._parameters[name]
             if id(original) not in sharded:
+                fqn = f"{prefix}.{name}" if prefix else name
+                layout = tensor_parallel.layout_of(fqn, original, mesh, groups.shard_size)
                 spec = ParamSpec(
-                    fqn=f"{prefix}.{name}" if prefix else name,
-                    full_shape=tuple(original.shape),
+                    fqn=fqn,
+                    full_shape=tuple(original.shape if layout is None else original._local_tensor.shape),
                     world_size=groups.shard_size,
                     group_name=groups.shard_group,
                     param_dtype=param_dtype,
@@ -399,12 +409,16 @@ def shard(
                     replicate_group=groups.replicate_group,
                     compute_device=compute_device,
                 )
-                sharded[id(original)] = (_shard_param(original, spec, mesh, groups), spec)
+                sharded[id(original)] = (_shard_param(original, spec, mesh, groups, layout), spec, layout)
                 grad_sync.specs[spec.fqn] = spec
                 original._compshard_replaced_by_shard = spec.fqn
-            new_param, specs[name] = sharded[id(original)]
+            new_param, specs[name], layout = sharded[id(original)]
             sub._parameters[name] = new_param
+            if layout is not None:
+                layouts[name] = layout
         sub._compshard_specs = specs
+        if layouts:
+            sub._compshard_tensor_parallel = layouts
         sub._compshard_grad_sync = grad_sync
         _install_properties(sub, names)
     _install_gather_units(module, gather_units or ())
@@ -474,8 +488,10 @@ def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
     """Give every rank of ``mesh`` the first rank's parameters and buffers, as DDP does at
     construction: ranks initialized differently (no common seed) would otherwise each keep
     rows of their own model. Tensors of a dtype are flattened into buckets of at most
-    256 MiB, one broadcast each, along every mesh dimension in turn."""
-    tensors = list({id(t): t for t in [*module.parameters(), *module.buffers()]}.values())
+    256 MiB, one broadcast each, along every mesh dimension in turn. A tensor-parallel
+    DTensor broadcasts its local piece (the ranks of a dp group share its tp coordinate)."""
+    tensors = [t._local_tensor if isinstance(t, DTensor) else t
+               for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()]
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -555,8 +571,11 @@ def move_local_gradients() -> None:
         eager_gather.accumulate_grad(param, grad)
 
 
-def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, groups: _Groups) -> nn.Parameter:
-    data = param.detach()
+def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, groups: _Groups,
+                 tp_layout: tensor_parallel.TensorParallelLayout | None) -> nn.Parameter:
+    """This rank's rows of ``param`` (of its tensor-parallel piece, for a parameter a
+    plan placed: ``tp_layout``) as the parameter at rest."""
+    data = param.detach() if tp_layout is None else param._local_tensor.detach()
     layout = spec.layout(groups.shard_rank)
     if layout.replicated:
         local = data.clone()
@@ -564,8 +583,12 @@ def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, 
         start, stop = layout.local_rows
         local = data[start:stop].clone()
     if mesh is not None:
-        placements = [Replicate()] * mesh.ndim if layout.replicated else list(groups.placements)
-        sharded = DTensor.from_local(local, mesh, placements, run_check=False, shape=data.shape, stride=data.stride())
+        placements = (Replicate(),) * mesh.ndim if layout.replicated else groups.placements
+        shape, stride = data.shape, data.stride()
+        if tp_layout is not None:
+            mesh, placements = tensor_parallel.at_rest(spec.fqn, mesh, placements, tp_layout)
+            shape, stride = tp_layout.shape, tp_layout.stride
+        sharded = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
         if spec.compute_device is not None:  # from_local would move a CPU shard to the mesh's device
             sharded = DTensor(local.cpu().pin_memory(), sharded._spec, requires_grad=False)
         sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)

@@ -11,6 +11,13 @@ Invariants (a violation is a compshard bug and raises ``ScheduleError``):
   - at every collective start, the bytes of collectives of its kind started and not yet
     waited (itself included) fit ``max_inflight_mb``, unless it is alone in flight.
 
+Collectives of the program itself (tensor parallelism's, from DTensor: see
+``fx_utils.program_collective``) are the program's: they need one wait as well, count
+as reading their input until it, and enter the fingerprint and the comparison as
+``("program <op>", (), 0)`` at their place (no group: its name differs between the
+data-parallel ranks, each in a tensor-parallel group of its own; no bytes: their sizes
+follow the local batch, which may differ between data-parallel ranks).
+
 Fingerprint: the graph's kind, its number of non-view compute nodes and the sequence of
 scheduled nodes (kind, parameters, bytes, and position counted in original non-view
 compute nodes) with rank-independent facts only: local shard shapes differ between ranks
@@ -18,7 +25,9 @@ compute nodes) with rank-independent facts only: local shard shapes differ betwe
 count. With ``check_schedule`` (default) the sequences are exchanged across the ranks at
 compile time (``rank_exchange``: through the c10d store) and their collective starts
 compared (kind, parameters, bytes: what must match for every rank to join the same
-collectives in the same order); a difference raises ``ScheduleError`` naming the first
+collectives in the same order): all of them across the group of compshard's first
+collective, and across each other group of the program's collectives (a tensor-parallel
+group) the program's collectives on that group; a difference raises ``ScheduleError`` naming the first
 differing collective on every rank, instead of a hang at run time.
 """
 
@@ -32,8 +41,8 @@ from torch import fx
 from compshard.compile_plan import COLLECTIVE_KINDS, BucketPlan, MiB, ScheduleError, node_meta
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    aliases, c10d, collective_group, first_arg, gathered_buffers, is_op, is_view, node_order, output_values,
-    scheduled_kind,
+    aliases, c10d, collective_group, first_arg, gathered_buffers, is_op, is_view, node_order, op_arg, output_values,
+    program_collective, reads_until, scheduled_kind,
 )
 from compshard.rank_exchange import exchange_across_ranks
 
@@ -45,11 +54,21 @@ def schedule_entries(graph: fx.Graph) -> list[tuple]:
     entries, compute_nodes = [], 0
     for node in graph.nodes:
         meta = node_meta(node)
+        if program_collective(node):
+            entries.append((_program_kind(node), (), 0, compute_nodes))
         if meta.kind is None:
             compute_nodes += node.op == "call_function" and not is_view(node)
         elif meta.kind in _STARTS + ("wait", "free"):
             entries.append((meta.kind, tuple(meta.params), meta.bytes, compute_nodes))
     return entries
+
+
+def _program_kind(node: fx.Node) -> str:
+    return f"program {node.target.name()}"
+
+
+def _is_start(entry: tuple) -> bool:
+    return entry[0] in _STARTS or entry[0].startswith("program ")
 
 
 def fingerprint(entries: list[tuple]) -> str:
@@ -63,7 +82,8 @@ def _check_invariants(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan | N
             waits = [u for u in node.users if is_op(u, c10d.wait_tensor.default)]
             if len(waits) != 1 or len(node.users) != 1:
                 raise ScheduleError(f"{ctx.graph} graph: collective {node.name} must have exactly one user, its wait")
-        if is_op(node, c10d.wait_tensor.default) and scheduled_kind(first_arg(node)) not in _STARTS:
+        if is_op(node, c10d.wait_tensor.default) and scheduled_kind(first_arg(node)) not in _STARTS \
+                and not program_collective(first_arg(node)):
             raise ScheduleError(f"{ctx.graph} graph: wait {node.name} does not follow a collective start")
     kept = {bucket.name: bucket.keep_gathered for bucket in buckets or ()}
     saved = _saved_for_backward(graph, ctx, saved_count)
@@ -74,7 +94,8 @@ def _check_invariants(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan | N
                 if user.op != "output" and order[user] < order[buffer]:
                     raise ScheduleError(f"{ctx.graph} graph: {user.name} uses {buffer.name} before its wait")
                 if scheduled_kind(user) == "free":
-                    late = [u.name for a in group for u in a.users if u not in group and order[u] > order[user]]
+                    late = [end.name for a in group for u in a.users if u not in group
+                            for end in reads_until(u) if order[end] > order[user]]
                     if late:
                         raise ScheduleError(f"{ctx.graph} graph: {late} use {buffer.name} after its free")
         meta = node_meta(buffer)
@@ -112,12 +133,13 @@ def _collective_starts(entries: list[tuple]) -> list[tuple]:
     bytes). Where waits and frees sit, and how much compute lies between, is each rank's
     own: a rank whose local batch has one row compiles other ops (Dynamo specializes
     size 1) and is still matched collective for collective."""
-    return [entry[:3] for entry in entries if entry[0] in _STARTS]
+    return [entry[:3] for entry in entries if _is_start(entry)]
 
 
-def _compare_across_ranks(entries: list[tuple], group_name: str, ctx: PassContext) -> None:
-    """Compare this graph's collectives with every rank's; a difference names the first differing one."""
-    sequence, everyone = exchange_across_ranks("compshard", group_name, (ctx.graph, _collective_starts(entries)),
+def _compare_across_ranks(starts: list[tuple], group_name: str, ctx: PassContext) -> None:
+    """Compare this graph's collective ``starts`` with every rank's of ``group_name``; a
+    difference names the first differing one."""
+    sequence, everyone = exchange_across_ranks("compshard", group_name, (ctx.graph, starts),
                                                f"a {ctx.graph} schedule")
     reference = everyone[0][1]
     for other_rank, (graph, other) in enumerate(everyone):
@@ -143,7 +165,13 @@ def check_schedule(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan | None
     # The graph's kind and size too: with nothing to gather (one rank) the entries alone
     # are empty, and a forward and a backward would share one fingerprint.
     compute_nodes = sum(1 for n in graph.nodes if n.op == "call_function" and not is_view(n))
-    group_name = collective_group(graph)
-    if ctx.options.check_schedule and group_name and dist.is_initialized():
-        _compare_across_ranks(entries, group_name, ctx)
+    if ctx.options.check_schedule and dist.is_initialized():
+        group_name = collective_group(graph)
+        if group_name:
+            _compare_across_ranks(_collective_starts(entries), group_name, ctx)
+        program = [(op_arg(node, "group_name"), _program_kind(node)) for node in graph.nodes
+                   if program_collective(node)]
+        for other in dict.fromkeys(name for name, _ in program):  # in graph order: the same on every rank
+            if other != group_name:
+                _compare_across_ranks([(kind, (), 0) for name, kind in program if name == other], other, ctx)
     return fingerprint([ctx.graph, compute_nodes, *entries])

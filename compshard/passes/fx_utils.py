@@ -246,6 +246,24 @@ def sink_before(nodes: list[fx.Node], anchor: fx.Node) -> None:
 # --------------------------------------------------------------------- collectives
 
 
+def program_collective(node: fx.Node) -> bool:
+    """A collective start of the program itself, not one a pass inserted: tensor
+    parallelism's, which DTensor traced into the graph as functional collectives. Passes
+    never move, drop or reorder these; the collective reads its input until its wait."""
+    target = node.target
+    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
+            and target.namespace == "_c10d_functional" and target is not c10d.wait_tensor.default
+            and scheduled_kind(node) is None)
+
+
+def reads_until(node: fx.Node) -> list[fx.Node]:
+    """Where ``node``'s reads of its inputs end: at ``node``, or for a collective of the
+    program (:func:`program_collective`), at its waits."""
+    if not program_collective(node):
+        return [node]
+    return [user for user in node.users if is_op(user, c10d.wait_tensor.default)] or [node]
+
+
 def collective_group(graph: fx.Graph) -> str | None:
     """The process group name of the graph's first collective start (None: no collective)."""
     for node in graph.nodes:

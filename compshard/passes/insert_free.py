@@ -5,7 +5,8 @@ and the flat tensor its parameters are unpacked into) live until Python drops th
 reference.
 After: a ``compshard::free(value)`` node directly after the last user of any alias of
 each one, releasing its storage at that point even if something else still holds a
-reference. A value with an alias among the graph outputs is left alone: it is saved for
+reference (a collective of the program that reads it, tensor parallelism's, uses it
+until its wait). A value with an alias among the graph outputs is left alone: it is saved for
 backward (a kept bucket) and autograd releases it after use. Both codegens run the
 frees (Inductor compiles only the compute between scheduled nodes).
 """
@@ -16,7 +17,7 @@ from torch import fx
 
 from compshard.compile_plan import NodeMeta, node_meta
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aliases, compshard_ops, emit, escapes, gathered_buffers, node_order
+from compshard.passes.fx_utils import aliases, compshard_ops, emit, escapes, gathered_buffers, node_order, reads_until
 
 
 def insert_free(graph: fx.Graph, ctx: PassContext) -> None:
@@ -25,7 +26,7 @@ def insert_free(graph: fx.Graph, ctx: PassContext) -> None:
         if escapes(buffer):
             continue
         group = aliases(buffer)
-        users = [u for alias in group for u in alias.users if u not in group]
+        users = [end for alias in group for u in alias.users if u not in group for end in reads_until(u)]
         if not users:
             continue
         last = max(users, key=order.__getitem__)
