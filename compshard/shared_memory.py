@@ -19,20 +19,35 @@ rank runs the same rounds in the same order, as every rank issues the same
 collectives. The ordering of the copies and the counters relies on x86-64's stores and
 loads staying in program order (TSO), so other machines keep gloo. A wait polls,
 yielding the core, for up to :data:`SPIN_SECONDS`, then sleeps in growing steps up to
-0.2 ms; it raises when the awaited rank's process has exited, or after
-:data:`WAIT_SECONDS`.
+0.2 ms.
+
+Liveness: beside its counters each rank's header holds a heartbeat, bumped by
+:mod:`compshard.liveness`'s thread, a state word with a message (the failure it
+published: an error, or that it exited), and, per slot, what it put there (the
+exchange's kind, row bytes and offset). A wait raises :class:`~compshard.liveness.RankFailed`
+naming the awaited rank as soon as that rank published a failure (``ScheduleError``
+for a schedule failure), or once its heartbeat has not moved for
+:data:`~compshard.liveness.STALE_SECONDS` (killed, even while a zombie, or hung; no
+process ids are read, so ranks in separate PID namespaces are watched alike), and after
+:data:`WAIT_SECONDS` when it lives but never reaches the round. Reading a peer's piece,
+a rank checks that the peer put the same exchange there: ranks that issued different
+collectives (one went on after an exception in the middle of a step) fail at once
+instead of mixing rows. A rank whose exchange fails publishes that failure, so every
+rank stops.
 
 When: the group's real backend is gloo, it has more than one rank, neither it nor the
 job's processes on this host outnumber the cores a rank may run on, the machine is
-x86-64, ``COMPSHARD_SHARED_MEMORY`` is not ``0``, every rank can open the file that
+x86-64, ``COMPSHARD_SHARED_MEMORY`` is not ``0``, and every rank can open the file that
 rank 0 creates under ``/dev/shm`` and read back the token rank 0 wrote into it (so they
-share it: one host, one ``/dev/shm``), and every rank sees every other's process id.
-Decided once per group, collectively, on the group's first exchange (every rank
-exchanges on each group in the same order); rank 0 unlinks the file as soon as every rank
-has mapped it, so none is left behind.
+share it: one host, one ``/dev/shm``). Decided once per group, collectively, on the
+group's first exchange (every rank exchanges on each group in the same order). The file
+is readable by its owner only (mode 0600); it is unlinked as soon as every rank has
+mapped it, and on every error path of the opening (a rank that dies meanwhile included)
+by each rank that knows its name, so none is left behind.
 
-Memory: ``2 * SLOT_BYTES`` a rank (:func:`held_bytes`), for the life of the process,
-whatever the size of the exchanges; the bits exchanged are the same as gloo's.
+Memory: ``2 * SLOT_BYTES`` and a 512-byte header a rank (:func:`held_bytes`), for the
+life of the process, whatever the size of the exchanges; the bits exchanged are the
+same as gloo's.
 The exchanges run on one thread per group, in the order they were started, as gloo's
 run on its own threads: the op's start queues it, its ``wait_tensor`` waits for it
 (``start_all_gather``, ``start_all_to_all``), so compute goes on meanwhile.
@@ -40,6 +55,7 @@ run on its own threads: the op's start queues it, its ``wait_tensor`` waits for 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import platform
 import time
@@ -51,39 +67,65 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from compshard import liveness
+from compshard.liveness import Failure, RankFailed
+
 __all__ = ["SLOT_BYTES", "SPIN_SECONDS", "WAIT_SECONDS", "SharedRows", "held_bytes", "processes_on_host", "shared_rows",
            "usable_here"]
 
 SLOT_BYTES = 1 << 18  # 256 KiB: two a rank keep the memory held small beside the gathered buffers
 SPIN_SECONDS = 2e-3  # ranks issue the same collectives, so most waits end within this
 WAIT_SECONDS = 300.0
-_COUNTERS = 2  # ready, read
+FILE_PREFIX = "/dev/shm/compshard-"  # then rank 0's process id and a random part
+# A rank's header, int64 words: its counters, heartbeat and state, and what each slot holds
+_READY, _READ, _BEAT, _STATE = range(4)
+_SLOT_WORDS = 4  # first word of slot s's description: (kind, row bytes, offset) at 4 + 3 * s
+_HEADER_WORDS = 16
+_MESSAGE_BYTES = 512 - 8 * _HEADER_WORDS
 _ALIGN = 64  # an all-to-all's pieces start on cache lines
 _TOKEN_BYTES = 16
+_GATHER, _ALL_TO_ALL = 1, 2
+_KIND_NAMES = {_GATHER: "an all-gather", _ALL_TO_ALL: "an all-to-all"}
 
 # process group -> its exchange (None: gloo's); weak, since a destroyed group's name may be reused
 _opened: "weakref.WeakKeyDictionary[dist.ProcessGroup, SharedRows | None]" = weakref.WeakKeyDictionary()
 
 
 class SharedRows:
-    """The shared slots and counters of one group's ranks (see the module docstring)."""
+    """The shared slots and headers of one group's ranks (see the module docstring).
+    ``ranks``: the group's ranks by their global rank, as errors name them."""
 
-    def __init__(self, storage: torch.Tensor, rank: int, pids: list[int], wait_seconds: float = WAIT_SECONDS):
-        world_size = len(pids)
-        self.rank, self.world_size, self.pids, self.wait_seconds = rank, world_size, pids, wait_seconds
+    def __init__(self, storage: torch.Tensor, rank: int, ranks: list[int], group_name: str = "",
+                 wait_seconds: float = WAIT_SECONDS, stale_seconds: float = liveness.STALE_SECONDS):
+        world_size = len(ranks)
+        self.rank, self.world_size, self.ranks, self.group_name = rank, world_size, ranks, group_name
+        self.wait_seconds, self.stale_seconds = wait_seconds, stale_seconds
         slots_bytes = world_size * 2 * SLOT_BYTES
         self._slots = storage[:slots_bytes].view(world_size, 2, SLOT_BYTES)
-        counters = storage[slots_bytes: slots_bytes + world_size * _COUNTERS * 8].view(torch.int64)
-        self._counters = counters.numpy().reshape(world_size, _COUNTERS)  # polled from Python: numpy is cheaper
-        self._round = int(self._counters[rank, 0])
+        headers = storage[slots_bytes: slots_bytes + world_size * 8 * _HEADER_WORDS].view(torch.int64)
+        self._header = headers.numpy().reshape(world_size, _HEADER_WORDS)  # polled from Python: numpy is cheaper
+        at = slots_bytes + world_size * 8 * _HEADER_WORDS
+        self._messages = storage[at: at + world_size * _MESSAGE_BYTES].numpy().reshape(world_size, _MESSAGE_BYTES)
+        self._round = int(self._header[rank, _READY])
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="compshard-shared-memory")
         self._failed: BaseException | None = None
         self._peers = [(rank + step) % world_size for step in range(1, world_size)]
 
     @staticmethod
     def nbytes(world_size: int) -> int:
-        """The shared file's size: the slots, the counters, the token."""
-        return world_size * (2 * SLOT_BYTES + _COUNTERS * 8) + _TOKEN_BYTES
+        """The shared file's size: the slots, the headers and messages, the token."""
+        return world_size * (2 * SLOT_BYTES + 8 * _HEADER_WORDS + _MESSAGE_BYTES) + _TOKEN_BYTES
+
+    def beat(self) -> None:
+        """One heartbeat of this rank (:mod:`compshard.liveness`'s thread)."""
+        self._header[self.rank, _BEAT] += 1
+
+    def publish(self, failure: Failure) -> None:
+        """Tell the other ranks this rank's ``failure``: its message, then its state."""
+        text = failure.message.encode()[:_MESSAGE_BYTES - 1]
+        self._messages[self.rank, :len(text)] = list(text)
+        self._messages[self.rank, len(text)] = 0
+        self._header[self.rank, _STATE] = 1 + liveness.KINDS.index(failure.kind)
 
     def start_all_gather(self, rows: torch.Tensor) -> dist.Work:
         """Start :meth:`all_gather` of ``rows`` on this group's exchange thread, after the
@@ -108,7 +150,7 @@ class SharedRows:
         def drain(peer: int, slot: torch.Tensor, start: int, length: int) -> None:
             data[peer, start:start + length].copy_(slot[:length])
 
-        self._exchange(data.shape[1], SLOT_BYTES, fill, drain)
+        self._exchange(_GATHER, data.shape[1], SLOT_BYTES, fill, drain)
 
     def all_to_all(self, rows: torch.Tensor) -> None:
         """Replace row ``p`` of ``rows`` (``world_size`` rows, contiguous: row ``p`` is
@@ -132,17 +174,17 @@ class SharedRows:
             at = place(peer, self.rank)  # read before this rank's row is overwritten: fill ran first
             data[peer, start:start + length].copy_(slot[at:at + length])
 
-        self._exchange(data.shape[1], piece, fill, drain)
+        self._exchange(_ALL_TO_ALL, data.shape[1], piece, fill, drain)
 
     def _bytes(self, rows: torch.Tensor) -> torch.Tensor:
         return rows.reshape(-1).view(torch.uint8).view(self.world_size, -1)
 
-    def _exchange(self, row_bytes: int, piece_bytes: int, fill: Callable[[torch.Tensor, int, int], None],
+    def _exchange(self, kind: int, row_bytes: int, piece_bytes: int, fill: Callable[[torch.Tensor, int, int], None],
                   drain: Callable[[int, torch.Tensor, int, int], None]) -> None:
         """Rounds of ``piece_bytes`` of each row (see the module docstring): ``fill(slot,
         start, length)`` puts this rank's pieces into its slot, ``drain(peer, slot, start,
         length)`` takes this rank's from a peer's. After a failed exchange the group's
-        rounds are out of step, so every later call raises."""
+        rounds are out of step, so every later call raises; the failure is published."""
         if self._failed is not None:
             raise RuntimeError(f"compshard: an earlier shared-memory exchange of this group failed: {self._failed}")
         try:
@@ -151,38 +193,78 @@ class SharedRows:
                 self._round += 1
                 round_, slot = self._round, self._round % 2
                 for peer in self._peers:  # the slot's last use was round - 2
-                    self._wait(peer, 1, round_ - 2)
+                    self._wait(peer, _READ, round_ - 2)
                 fill(self._slots[self.rank, slot], start, length)
-                self._counters[self.rank, 0] = round_
+                described = _SLOT_WORDS + 3 * slot
+                self._header[self.rank, described:described + 3] = (kind, row_bytes, start)
+                self._header[self.rank, _READY] = round_
                 for peer in self._peers:
-                    self._wait(peer, 0, round_)
+                    self._wait(peer, _READY, round_)
+                    self._check_same_exchange(peer, described, round_)
                     drain(peer, self._slots[peer, slot], start, length)
-                self._counters[self.rank, 1] = round_
+                self._header[self.rank, _READ] = round_
         except BaseException as error:
             self._failed = error
+            liveness.publish_failure(str(error), liveness.failure_kind(error))
             raise
+
+    def _check_same_exchange(self, peer: int, described: int, round_: int) -> None:
+        """Raise unless ``peer`` put into its slot of ``round_`` the same piece of the same
+        exchange as this rank."""
+        mine, theirs = (tuple(int(word) for word in self._header[r, described:described + 3])
+                        for r in (self.rank, peer))
+        if mine != theirs:
+            raise RuntimeError(
+                f"compshard: the ranks issued different collectives: in shared-memory round {round_} rank "
+                f"{self.ranks[peer]} exchanged {_describe(theirs)} where rank {self.ranks[self.rank]} exchanged "
+                f"{_describe(mine)} (a rank that went on after an exception in the middle of a step, skipping the "
+                "rest of its collectives, does this)")
 
     def _wait(self, peer: int, counter: int, value: int) -> None:
         """Until ``peer``'s counter reaches ``value``: polling (yielding the core) for up to
-        :data:`SPIN_SECONDS`, then sleeping in growing steps up to 0.2 ms."""
-        if self._counters[peer, counter] >= value:
+        :data:`SPIN_SECONDS`, then sleeping in growing steps up to 0.2 ms, watching the
+        peer's state and heartbeat (see the module docstring)."""
+        if self._header[peer, counter] >= value:
             return
         started = time.monotonic()
         pause = 50e-6
-        while self._counters[peer, counter] < value:
-            waited = time.monotonic() - started
-            if waited < SPIN_SECONDS:
-                os.sched_yield()
-                continue
-            if waited > self.wait_seconds:
-                raise RuntimeError(
-                    f"compshard: rank {peer} of a shared-memory exchange did not reach round {value} within "
-                    f"{self.wait_seconds:g} s (the ranks issued different collectives?)")
-            if not _alive(self.pids[peer]):
-                raise RuntimeError(f"compshard: rank {peer} of a shared-memory exchange exited "
-                                   f"(process {self.pids[peer]}) before it reached round {value}")
-            time.sleep(pause)
-            pause = min(2 * pause, 2e-4)
+        beat, beat_seen = self._header[peer, _BEAT], started
+        with contextlib.ExitStack() as slow:
+            while self._header[peer, counter] < value:
+                now = time.monotonic()
+                waited = now - started
+                if waited < SPIN_SECONDS:
+                    os.sched_yield()
+                    continue
+                if pause == 50e-6:  # the first sleep: the heartbeat says this thread waits in a collective
+                    slow.enter_context(liveness.blocked(self.group_name))
+                self._raise_if_stopped(peer, value)
+                if self._header[peer, _BEAT] != beat:
+                    beat, beat_seen = self._header[peer, _BEAT], now
+                elif now - beat_seen > self.stale_seconds:
+                    raise RankFailed(f"compshard: rank {self.ranks[peer]} stopped: no heartbeat for "
+                                     f"{now - beat_seen:.0f} s (killed, or its process hangs; this rank waited for "
+                                     f"it in shared-memory round {value})")
+                if waited > self.wait_seconds:
+                    raise RuntimeError(
+                        f"compshard: rank {self.ranks[peer]} of a shared-memory exchange is alive but did not reach "
+                        f"round {value} within {self.wait_seconds:g} s (the ranks issued different collectives?)")
+                time.sleep(pause)
+                pause = min(2 * pause, 2e-4)
+
+    def _raise_if_stopped(self, peer: int, value: int) -> None:
+        state = int(self._header[peer, _STATE])
+        if state:
+            message = bytes(self._messages[peer]).split(b"\0", 1)[0].decode(errors="replace")
+            failure = Failure(self.ranks[peer], liveness.KINDS[state - 1], message)
+            raise failure.error(f"waited for it in shared-memory round {value}")
+
+
+def _describe(piece: tuple[int, int, int]) -> str:
+    kind, row_bytes, start = piece
+    if kind not in _KIND_NAMES:
+        return "nothing"
+    return f"{_KIND_NAMES[kind]} of {row_bytes} bytes a rank (from byte {start})"
 
 
 class _ExchangeWork(dist.Work):
@@ -196,16 +278,6 @@ class _ExchangeWork(dist.Work):
     def wait(self, timeout: object = None) -> bool:  # noqa: ARG002 - the exchange has its own deadline
         self._exchange.result()
         return True
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # it exists, owned by someone else
-        pass
-    return True
 
 
 def held_bytes() -> int:
@@ -260,34 +332,42 @@ def _open(group: dist.ProcessGroup) -> SharedRows | None:
         return None
     if world_size < 2 or backend != "gloo":
         return None
+    liveness.start()
     nbytes = SharedRows.nbytes(world_size)
     if not _agreed(group, usable_here(world_size)):
         return None
     file: list[object] = [None]
     storage = None
-    if rank == 0:  # created and stamped before any other rank looks for it
-        file = [(f"/dev/shm/compshard-{uuid.uuid4().hex}", uuid.uuid4().bytes)]
-        storage = _map(*file[0], nbytes, create=True)
-    dist.broadcast_object_list(file, src=dist.get_global_rank(group, 0), group=group)
-    path, token = file[0]
-    if rank != 0:
-        storage = _map(path, token, nbytes, create=False)
-    pids: list[object] = [None] * world_size  # every rank has mapped the file (or failed) once this returns
-    dist.all_gather_object(pids, os.getpid() if storage is not None else None, group=group)
-    if rank == 0 and os.path.exists(path):
-        os.unlink(path)
-    if None in pids:
+    try:
+        if rank == 0:  # created and stamped before any other rank looks for it
+            file = [(f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}", uuid.uuid4().bytes)]
+            storage = _map(*file[0], nbytes, create=True)
+        dist.broadcast_object_list(file, src=dist.get_global_rank(group, 0), group=group)
+        if rank != 0:
+            storage = _map(*file[0], nbytes, create=False)
+        mapped: list[object] = [None] * world_size  # every rank has mapped the file (or failed) once this returns
+        dist.all_gather_object(mapped, storage is not None, group=group)
+    finally:  # every rank that knows the file's name unlinks it: none is left behind, whoever fails
+        if file[0] is not None:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(file[0][0])
+    if not all(mapped):
         return None
-    # a wait notices a rank's exit through its pid: every rank must see every other's
-    return SharedRows(storage, rank, pids) if _agreed(group, all(map(_alive, pids))) else None
+    rows = SharedRows(storage, rank, [dist.get_global_rank(group, r) for r in range(world_size)], group.group_name)
+    liveness.add_sink(weakref.ref(rows))
+    return rows
 
 
 def _map(path: str, token: bytes, nbytes: int, *, create: bool) -> torch.Tensor | None:
-    """The file mapped as a byte tensor, its token checked; None where it cannot be."""
+    """The file mapped as a byte tensor, its token checked; None where it cannot be. A new
+    file is created readable by its owner only, and never over an existing one."""
     try:
         if create:
-            with open(path, "wb") as file:
-                file.truncate(nbytes)
+            descriptor = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.ftruncate(descriptor, nbytes)
+            finally:
+                os.close(descriptor)
         elif not os.path.exists(path):
             return None
         mapped = torch.from_file(path, shared=True, size=nbytes, dtype=torch.uint8)
@@ -305,4 +385,3 @@ def _agreed(group: dist.ProcessGroup, mine: bool) -> bool:
     everyone: list[object] = [None] * group.size()
     dist.all_gather_object(everyone, bool(mine), group=group)
     return all(everyone)
-

@@ -1,13 +1,15 @@
 """All-gathers and all-to-alls through shared memory (compshard.shared_memory): the same
 bits as gloo's at 2 and 4 ranks (the all-to-all in place and read once), in rounds of several slots, fp32 and bf16; the decision
-per group (COMPSHARD_SHARED_MEMORY=0 keeps gloo); waits that end with an error, never a
-hang, when a rank is late or gone."""
+per group (COMPSHARD_SHARED_MEMORY=0 keeps gloo); waits that end with an error naming the
+rank, never a hang, when a rank is late, stops beating, published a failure, or issued a
+different collective; the file private to its owner."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import os
-import subprocess
-import sys
+import stat
+import threading
 import time
 
 import pytest
@@ -15,6 +17,8 @@ import torch
 import torch.distributed as dist
 
 from compshard import ops, shared_memory
+from compshard.compile_plan import ScheduleError
+from compshard.liveness import Failure, RankFailed
 from compshard.shared_memory import SLOT_BYTES, SharedRows
 from tests.distributed import run_distributed
 
@@ -109,16 +113,22 @@ def test_not_used_where_the_jobs_processes_on_this_host_outnumber_its_cores(monk
     assert not shared_memory.usable_here(2)
 
 
-def _exchange(tmp_path, pids: list[int], wait_seconds: float) -> SharedRows:
-    nbytes = SharedRows.nbytes(len(pids))
+def _exchanges(tmp_path, wait_seconds: float = 60, stale_seconds: float = 60) -> list[SharedRows]:
+    """Both ranks of a 2-rank exchange over one file, in this process (rank 1's waits and
+    heartbeat are the test's to drive)."""
+    nbytes = SharedRows.nbytes(2)
     storage = shared_memory._map(str(tmp_path / "rows"), b"t" * 16, nbytes, create=True)
-    return SharedRows(storage, 0, pids, wait_seconds=wait_seconds)
+    return [SharedRows(storage, rank, [0, 1], wait_seconds=wait_seconds, stale_seconds=stale_seconds)
+            for rank in range(2)]
 
 
 def test_a_wait_for_a_late_rank_ends_in_an_error(tmp_path):
-    exchange = _exchange(tmp_path, [os.getpid(), os.getpid()], wait_seconds=0.05)
-    with pytest.raises(RuntimeError, match="did not reach round 1 within"):
+    exchange, late = _exchanges(tmp_path, wait_seconds=0.05)
+    beating = threading.Thread(target=lambda: [late.beat() or time.sleep(0.01) for _ in range(20)])
+    beating.start()  # alive, but never reaching the round
+    with pytest.raises(RuntimeError, match="alive but did not reach round 1 within"):
         exchange.all_gather(torch.zeros(2, 4))
+    beating.join()
     # its rounds are out of step now: a later exchange, started on the group's thread (as
     # exchange_rows_ starts it), raises too, and the error reaches wait_tensor
     rows = torch.zeros(2, 4)
@@ -127,11 +137,43 @@ def test_a_wait_for_a_late_rank_ends_in_an_error(tmp_path):
         torch.ops._c10d_functional.wait_tensor(rows)
 
 
-def test_a_wait_for_an_exited_rank_ends_at_once(tmp_path):
-    finished = subprocess.Popen([sys.executable, "-c", "pass"])
-    finished.wait()
-    exchange = _exchange(tmp_path, [os.getpid(), finished.pid], wait_seconds=60)
+def test_a_wait_for_a_rank_without_heartbeat_ends_naming_it(tmp_path):
+    """No process ids: a zombie, or a rank in another PID namespace, is noticed by its heartbeat."""
+    exchange, _ = _exchanges(tmp_path, stale_seconds=0.3)
     started = time.monotonic()
-    with pytest.raises(RuntimeError, match=f"exited \\(process {finished.pid}\\)"):
+    with pytest.raises(RankFailed, match="rank 1 stopped: no heartbeat"):
         exchange.all_gather(torch.zeros(2, 4))
     assert time.monotonic() - started < 5
+
+
+@pytest.mark.parametrize(("kind", "error", "expected"), [
+    ("exited", RankFailed, "rank 1 exited"),
+    ("error", RankFailed, "rank 1 failed: ValueError: injected"),
+    ("schedule", ScheduleError, "compile with dynamic=True"),
+])
+def test_a_wait_for_a_rank_that_published_its_failure_ends_at_once(tmp_path, kind, error, expected):
+    exchange, failed = _exchanges(tmp_path)
+    message = "compile with dynamic=True" if kind == "schedule" else "ValueError: injected"
+    failed.publish(Failure(1, kind, message))
+    started = time.monotonic()
+    with pytest.raises(error, match=expected):
+        exchange.all_gather(torch.zeros(2, 4))
+    assert time.monotonic() - started < 1
+
+
+def test_ranks_that_issued_different_collectives_fail_instead_of_mixing_rows(tmp_path):
+    ranks = _exchanges(tmp_path)
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        gather = pool.submit(ranks[0].all_gather, torch.zeros(2, 4))
+        exchange = pool.submit(ranks[1].all_to_all, torch.zeros(2, 4))
+        with pytest.raises(RuntimeError, match="issued different collectives: .* rank 1 exchanged an all-to-all"):
+            gather.result(timeout=10)
+        with pytest.raises(RuntimeError, match="issued different collectives|rank 0 failed"):
+            exchange.result(timeout=10)
+
+
+def test_the_file_is_private_to_its_owner_and_never_replaced(tmp_path):
+    path = str(tmp_path / "rows")
+    assert shared_memory._map(path, b"t" * 16, SharedRows.nbytes(2), create=True) is not None
+    assert stat.S_IMODE(os.stat(path).st_mode) == 0o600
+    assert shared_memory._map(path, b"u" * 16, SharedRows.nbytes(2), create=True) is None
