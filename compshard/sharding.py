@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from compshard import cost_model, eager_gather, ops, tensor_parallel
+from compshard import cost_model, eager_gather, liveness, ops, tensor_parallel
 from compshard.grad_sync import GradSync
 from compshard.module_tree import outermost_match, repeated_block, repeated_containers
 from compshard.torch_compat import constant_lookup
@@ -376,10 +376,12 @@ def shard(
     _check_flag("cast_forward_inputs", cast_forward_inputs)
     _check_mesh(strategy, mesh)
     gather_units = _check_gather_units(module, gather_units)
+    _check_initialized(module)
     if mesh is None:
         mesh = _default_mesh(module)
     offload_state, compute_device = _offload_device(offload, module, mesh)
     if mesh is not None:
+        liveness.start()  # from here on, a rank that fails or dies is noticed by the others' waits
         _broadcast_from_first_rank(module, mesh)
     groups = _groups(strategy, mesh)
     for group_name in (groups.shard_group, groups.replicate_group):
@@ -435,6 +437,18 @@ def shard(
     module._compshard_grad_sync = grad_sync
     _install_casts(module, config)
     return module
+
+
+def _check_initialized(module: nn.Module) -> None:
+    """Refuse parameters and buffers on the meta device: ``shard`` slices and broadcasts
+    their values, which they do not have."""
+    meta = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
+    if meta:
+        raise ValueError(
+            f"compshard.shard: {len(meta)} parameter(s)/buffer(s) are on the meta device ({meta[:4]}): shard keeps "
+            "this rank's rows of their values (broadcast from the first rank), so they need values first. Initialize "
+            "the model before shard: model.to_empty(device='cpu' or 'cuda') then your initialization (e.g. each "
+            "module's reset_parameters()), or build it on a real device")
 
 
 def _check_gather_units(module: nn.Module, gather_units: Sequence[str] | None) -> tuple[str, ...] | None:
