@@ -34,7 +34,7 @@ from tests.distributed import run_distributed
 from tests.models import make_model
 from tests.training import ADAMW, RTOL, STEPS, local_batch, relative_error, train_reference
 
-README = pathlib.Path(__file__).resolve().parents[1] / "README.md"
+PIPELINE_DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "pipeline.md"
 # Eight blocks: enough ops between blocks for four stages to balance; small enough to export fast.
 BALANCE_GPT = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=64)
 
@@ -296,10 +296,11 @@ def _released_while_a_loss_is_held(rank: int, world_size: int) -> dict:
 
 
 def _run_readme_example() -> str:
-    block = next(b for b in re.findall(r"```python\n(.*?)```", README.read_text(), re.S) if "compshard.pipeline(" in b)
+    blocks = re.findall(r"```python\n(.*?)```", PIPELINE_DOC.read_text(), re.S)
+    block = next(b for b in blocks if "compshard.pipeline(" in b)
     out = io.StringIO()
     with contextlib.redirect_stdout(out):
-        exec(compile(block, "README.md", "exec"), {"__name__": "__main__"})
+        exec(compile(block, "docs/pipeline.md", "exec"), {"__name__": "__main__"})
     return out.getvalue()
 
 

@@ -502,12 +502,12 @@ def test_no_sync_at_world_size_one_accumulates():
         assert relative_error(p.grad, q.grad) <= RTOL, name
 
 
-def test_readme_training_features_example_runs(capsys):
+def test_docs_training_features_example_runs(capsys):
     import pathlib
     import re
 
-    readme = (pathlib.Path(__file__).resolve().parents[1] / "README.md").read_text()
+    readme = (pathlib.Path(__file__).resolve().parents[1] / "docs" / "training.md").read_text()
     (block,) = [b for b in re.findall(r"```python\n(.*?)```", readme, re.S) if "compshard.no_sync" in b]
     torch._dynamo.reset()
-    exec(compile(block, "README.md", "exec"), {})
+    exec(compile(block, "docs/training.md", "exec"), {})
     assert "ShardingConfig(strategy='full_shard'" in capsys.readouterr().out

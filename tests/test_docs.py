@@ -1,0 +1,196 @@
+"""The docs as a user meets them: every python block of docs/*.md runs as written (the
+README's run in tests/test_readme.py; which fences run: tests/doc_blocks.py), every
+local link and anchor of the README, docs/, the benchmark reports and the changelog
+resolves, and docs/api.md's tables match the functions' signatures and the fields of
+``compshard.CompileOptions``."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+import inspect
+import pathlib
+import re
+import unicodedata
+
+import pytest
+
+import compshard
+from tests.doc_blocks import DOCS, README, ROOT, RUNS, SHOWN, blocks, run, runnable
+
+API = ROOT / "docs" / "api.md"
+PAGES = [README, *DOCS, ROOT / "CHANGELOG.md", *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
+
+# Blocks another test runs and checks, by a text the block holds -> that test: the pipeline
+# example inside tests/test_pipeline.py's 2- and 4-rank spawn, the gradient accumulation
+# example in tests/test_training_features.py's process.
+RUN_ELSEWHERE = {"compshard.pipeline(": ROOT / "tests" / "test_pipeline.py",
+                 "compshard.no_sync(": ROOT / "tests" / "test_training_features.py"}
+
+
+def _elsewhere(code: str) -> pathlib.Path | None:
+    return next((test for text, test in RUN_ELSEWHERE.items() if text in code), None)
+
+
+CASES = [pytest.param(block, processes, id=f"{block.name}-{processes}")
+         for block in runnable(DOCS) if _elsewhere(block.code) is None for processes in block.launches()]
+
+
+@pytest.mark.parametrize("block, processes", CASES)
+def test_docs_examples_run(tmp_path, block, processes):
+    done = run(block, tmp_path, processes)
+    assert done.returncode == 0, f"{block.name}:\n{done.stderr[-3000:]}"
+
+
+def test_examples_run_elsewhere_are_read_there():
+    for block in runnable(DOCS):
+        test = _elsewhere(block.code)
+        if test is not None:
+            assert str(block.path.relative_to(ROOT)) in test.read_text(), f"{test.name} does not read {block.name}"
+
+
+@pytest.mark.parametrize("page", [README, *DOCS], ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_fence_says_whether_it_runs(page):
+    unknown = [f"{b.name}: ```{b.language}" for b in blocks(page) if b.language not in RUNS + SHOWN]
+    assert not unknown, f"fences must be one of {RUNS + SHOWN}: {unknown}"
+
+
+# ------------------------------------------------------------------------------ links
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]|\[([^\]]*)\]\([^)]*\)", lambda m: m.group(1) or "", heading.strip().lower())
+    kept = "".join(c for c in text if c in " -_" or unicodedata.category(c)[0] in "LN")
+    return kept.replace(" ", "-")
+
+
+def anchors(page: pathlib.Path) -> set[str]:
+    """The anchors of ``page``'s headings (repeated headings get -1, -2, ... as on GitHub)."""
+    fenced = {line for b in blocks(page) for line in range(b.line, b.line + b.code.count("\n") + 2)}
+    seen: dict[str, int] = {}
+    found = set()
+    for number, line in enumerate(page.read_text().split("\n"), 1):
+        heading = re.match(r"#{1,6} (.+)", line)
+        if heading and number not in fenced:
+            base = slug(heading.group(1))
+            found.add(f"{base}-{seen[base]}" if base in seen else base)
+            seen[base] = seen.get(base, 0) + 1
+    return found
+
+
+def links(page: pathlib.Path) -> list[tuple[int, str]]:
+    """(line, target) of every Markdown link outside code blocks and code spans."""
+    fenced = {line for b in blocks(page) for line in range(b.line, b.line + b.code.count("\n") + 2)}
+    found = []
+    for number, line in enumerate(page.read_text().split("\n"), 1):
+        if number in fenced:
+            continue
+        for target in re.findall(r"\]\(([^)\s]+)\)", re.sub(r"`[^`]*`", "", line)):
+            found.append((number, target))
+    return found
+
+
+@pytest.mark.parametrize("page", [p for p in PAGES if p.exists()], ids=lambda p: str(p.relative_to(ROOT)))
+def test_local_links_and_anchors_resolve(page):
+    broken = []
+    for number, target in links(page):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        resolved = (page.parent / path).resolve() if path else page
+        if not resolved.exists():
+            broken.append(f"line {number}: {target} (no such file)")
+        elif anchor and resolved.suffix == ".md" and anchor not in anchors(resolved):
+            broken.append(f"line {number}: {target} (no heading with that anchor)")
+    assert not broken, f"{page.relative_to(ROOT)}: " + "; ".join(broken)
+
+
+def test_slug_matches_githubs_rule():
+    assert slug("Checkpoints and gradient clipping") == "checkpoints-and-gradient-clipping"
+    assert slug("`compshard.shard`") == "compshardshard"
+    assert slug("Plan at scale (fake process group)") == "plan-at-scale-fake-process-group"
+
+
+# ------------------------------------------------------------------- options and API
+
+FUNCTIONS = {
+    "compshard.shard": compshard.shard, "compshard.sharding_config": compshard.sharding_config,
+    "compshard.inspect": compshard.inspect, "compshard.pipeline": compshard.pipeline, "compshard.plan": compshard.plan,
+    "compshard.full_state_dict": compshard.full_state_dict, "compshard.checkpoint.save": compshard.checkpoint.save,
+    "compshard.checkpoint.load": compshard.checkpoint.load,
+    "compshard.checkpoint.get_full_state_dict": compshard.checkpoint.get_full_state_dict,
+    "compshard.checkpoint.set_full_state_dict": compshard.checkpoint.set_full_state_dict,
+    "compshard.clip_grad_norm_": compshard.clip_grad_norm_, "compshard.no_sync": compshard.no_sync,
+    "compshard.set_requires_gradient_sync": compshard.set_requires_gradient_sync,
+}
+REQUIRED = "required"
+
+
+def api_tables() -> dict[str, list[tuple[str, str]]]:
+    """docs/api.md's tables by the name in their header (`` `compshard.shard` parameter``):
+    (name, default) per row, backticks removed."""
+    tables: dict[str, list[tuple[str, str]]] = {}
+    current = None
+    for line in API.read_text().split("\n"):
+        header = re.fullmatch(r"\| `([\w.]+)` (?:parameter|option) \| default \|.*", line)
+        if header:
+            current = tables.setdefault(header.group(1), [])
+        elif current is not None and line.startswith("|"):
+            cells = [cell.strip().strip("`") for cell in line.strip("|").split("|")]
+            if not set(cells[0]) <= set("-"):
+                current.append((cells[0], cells[1]))
+        else:
+            current = None
+    return tables
+
+
+def documented(default: object) -> str:
+    """How the page writes a default: ``required`` where there is none."""
+    return REQUIRED if default is inspect.Parameter.empty else repr(default)
+
+
+def same_default(written: str, default: object) -> bool:
+    if default is inspect.Parameter.empty:
+        return written == REQUIRED
+    try:
+        return ast.literal_eval(written) == default
+    except (ValueError, SyntaxError):
+        return False
+
+
+def signature_rows(function) -> list[tuple[str, object]]:
+    rows = []
+    for parameter in inspect.signature(function).parameters.values():
+        star = {inspect.Parameter.VAR_POSITIONAL: "*", inspect.Parameter.VAR_KEYWORD: "**"}.get(parameter.kind, "")
+        rows.append((star + parameter.name, None if star else parameter.default))
+    return rows
+
+
+def test_api_documents_every_public_function():
+    assert set(api_tables()) == {*FUNCTIONS, "compshard.CompileOptions"}
+
+
+@pytest.mark.parametrize("name", list(FUNCTIONS))
+def test_api_table_matches_the_signature(name):
+    written = api_tables()[name]
+    expected = signature_rows(FUNCTIONS[name])
+    assert [n for n, _ in written] == [n for n, _ in expected], f"{name}: parameters in docs/api.md"
+    for (parameter, text), (_, default) in zip(written, expected):
+        if default is None and parameter.startswith("*"):
+            assert text == "", f"{name}: {parameter} has no default"
+        else:
+            assert same_default(text, default), f"{name}: {parameter} default is {documented(default)}, docs say {text}"
+
+
+def test_api_options_table_matches_compile_options():
+    written = api_tables()["compshard.CompileOptions"]
+    fields = dataclasses.fields(compshard.CompileOptions)
+    assert [n for n, _ in written] == [f.name for f in fields], "options in docs/api.md"
+    for (option, text), field in zip(written, fields):
+        assert same_default(text, field.default), f"option {option}: default is {field.default!r}, docs say {text}"
+
+
+def test_the_api_checks_can_fail():
+    assert not same_default('"fx"', "auto") and not same_default("required", None)
+    assert same_default("32", 32.0) and same_default("required", inspect.Parameter.empty)
