@@ -380,10 +380,11 @@ def shard(
     if mesh is None:
         mesh = _default_mesh(module)
     offload_state, compute_device = _offload_device(offload, module, mesh)
+    groups = _groups(strategy, mesh)
+    tp_layouts = tensor_parallel.layouts(module, mesh, groups.placements)
     if mesh is not None:
         liveness.start()  # from here on, a rank that fails or dies is noticed by the others' waits
         _broadcast_from_first_rank(module, mesh)
-    groups = _groups(strategy, mesh)
     for group_name in (groups.shard_group, groups.replicate_group):
         if group_name and ops.group_size(group_name) > 1:
             cost_model.calibrate(group_name, torch.device(mesh.device_type))
@@ -398,10 +399,9 @@ def shard(
         for name in names:
             original = sub._parameters[name]
             if id(original) not in sharded:
-                fqn = f"{prefix}.{name}" if prefix else name
-                layout = tensor_parallel.layout_of(fqn, original, mesh, groups.shard_size)
+                layout = tp_layouts.get(id(original))
                 spec = ParamSpec(
-                    fqn=fqn,
+                    fqn=f"{prefix}.{name}" if prefix else name,
                     full_shape=tuple(original.shape if layout is None else original._local_tensor.shape),
                     world_size=groups.shard_size,
                     group_name=groups.shard_group,

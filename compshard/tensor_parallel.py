@@ -26,11 +26,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-__all__ = ["TensorParallelLayout", "layout_of", "at_rest"]
+__all__ = ["TensorParallelLayout", "at_rest", "layouts"]
 
 
 @dataclass(frozen=True)
@@ -60,13 +61,21 @@ class TensorParallelLayout:
         return pieces
 
 
-def layout_of(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh | None,
-              shard_size: int) -> TensorParallelLayout | None:
-    """The tensor-parallel layout of parameter ``fqn`` (None: a plain tensor), to be split
-    over ``shard_size`` data-parallel ranks. Raises, naming the parameter and what to do,
-    for a layout compshard cannot shard over dp."""
-    if not isinstance(param, DTensor):
-        return None
+def layouts(module: nn.Module, dp_mesh: DeviceMesh | None,
+            dp_placements: tuple[Placement, ...] | None) -> dict[int, TensorParallelLayout]:
+    """The tensor-parallel layout of each DTensor parameter of ``module``, by the
+    parameter's id, checked before ``shard`` changes anything: raises, naming the
+    parameter and what to do, for a layout compshard cannot split over the data-parallel
+    ranks of ``dp_mesh`` placed ``dp_placements``."""
+    found = {}
+    for fqn, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            found[id(param)] = layout = _layout_of(fqn, param, dp_mesh)
+            at_rest(fqn, dp_mesh, dp_placements, layout)
+    return found
+
+
+def _layout_of(fqn: str, param: DTensor, dp_mesh: DeviceMesh | None) -> TensorParallelLayout:
     where = f"compshard.shard: parameter '{fqn}' is a DTensor placed {tuple(param.placements)} on {param.device_mesh}"
     if param.device_mesh.ndim != 1:
         raise ValueError(f"{where}; compshard composes with tensor parallelism on a 1-D mesh (mesh['tp'] of "
@@ -77,22 +86,15 @@ def layout_of(fqn: str, param: torch.Tensor, dp_mesh: DeviceMesh | None,
     if dp_mesh is None:
         raise ValueError(f"{where}, but no data-parallel mesh was given: pass mesh=mesh['dp'] of the same "
                          "init_device_mesh")
-    layout = TensorParallelLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
-    local_rows = param._local_tensor.shape[0] if param._local_tensor.dim() else 0
-    if layout.rows_split > 1 and local_rows % shard_size:
-        raise ValueError(
-            f"{where}: its tensor-parallel piece has {local_rows} rows, which do not split evenly over the "
-            f"{shard_size} data-parallel ranks, and a DTensor cannot describe the uneven rows of dim 0 split "
-            f"tensor-parallel first and data-parallel second. Choose sizes with dim 0 ({param.shape[0]}) "
-            f"divisible by {layout.rows_split * shard_size}, or a plan that shards another dim of '{fqn}'")
-    return layout
+    return TensorParallelLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
 
 
-def at_rest(fqn: str, dp_mesh: DeviceMesh, dp_placements: tuple[Placement, ...],
+def at_rest(fqn: str, dp_mesh: DeviceMesh | None, dp_placements: tuple[Placement, ...] | None,
             layout: TensorParallelLayout) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """The mesh (dp dims, then tp) and placements of parameter ``fqn`` at rest:
     ``dp_placements`` (``Shard(0)`` becomes ``_StridedShard(0)`` where the plan split dim 0
     too) followed by the plan's own."""
+    assert dp_mesh is not None and dp_placements is not None, "checked by _layout_of"
     try:
         mesh = DeviceMesh._concatenate([dp_mesh, layout.mesh])
     except (RuntimeError, TypeError, AttributeError) as error:
