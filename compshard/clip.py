@@ -2,7 +2,10 @@
 
 Each rank reduces its own ``Shard(0)`` rows to one number (the sum of ``|g|^p``, or the
 largest ``|g|`` for the infinity norm), one all-reduce combines the ranks, and
-replicated gradients (0-d parameters; plain tensors) are added once, after it. Every
+replicated gradients (0-d parameters; plain tensors) are added once, after it. Where
+gradients are sharded differently (tensor parallelism: some on the 2-D (dp, tp) mesh,
+others on dp alone), each layout's number is all-reduced over the mesh dimensions that
+shard it, one all-reduce per dimension (summed once, never over a replicated one). Every
 rank then scales its rows by the same coefficient as
 ``torch.nn.utils.clip_grad_norm_`` computes for the unsharded model:
 ``min(1, max_norm / (total_norm + 1e-6))``.
@@ -22,7 +25,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 
 __all__ = ["clip_grad_norm_"]
 
@@ -64,19 +69,23 @@ def clip_grad_norm_(
 def _total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
     """Norm of the full gradients (float64): sharded parts reduced across ranks, replicated
     ones added once."""
-    sharded = [g for g in grads if _is_sharded(g)]
-    replicated = [_local(g) for g in grads if not _is_sharded(g)]
+    by_layout: dict[tuple[DeviceMesh, tuple[int, ...]], list[torch.Tensor]] = {}  # in parameter order
+    replicated = []
+    for grad in grads:
+        dims = _sharded_dims(grad)
+        if dims:
+            by_layout.setdefault((grad.device_mesh, dims), []).append(_local(grad))
+        else:
+            replicated.append(_local(grad))
     device = _local(grads[0]).device if grads else torch.device("cpu")
     # float64 accumulation keeps sum(|g|^p) from overflowing for large p
-    sharded_part = _combine([_local(g) for g in sharded], p, device)
-    if sharded:
-        mesh = sharded[0].device_mesh
-        if any(g.device_mesh != mesh for g in sharded):
-            raise ValueError("compshard.clip_grad_norm_: all sharded gradients must live on one device mesh")
-        dist.all_reduce(sharded_part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
-                        group=mesh.get_group())
     total = _combine(replicated, p, device)
-    total = torch.maximum(total, sharded_part) if math.isinf(p) else total + sharded_part
+    for (mesh, dims), tensors in by_layout.items():
+        part = _combine(tensors, p, device)
+        for dim in dims:
+            dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
+                            group=mesh.get_group(dim))
+        total = torch.maximum(total, part) if math.isinf(p) else total + part
     return total if math.isinf(p) else total ** (1.0 / p)
 
 
@@ -91,8 +100,11 @@ def _combine(tensors: list[torch.Tensor], p: float, device: torch.device) -> tor
     return result
 
 
-def _is_sharded(grad: torch.Tensor) -> bool:
-    return isinstance(grad, DTensor) and any(isinstance(placement, Shard) for placement in grad.placements)
+def _sharded_dims(grad: torch.Tensor) -> tuple[int, ...]:
+    """The mesh dimensions that split ``grad`` (none for a plain tensor)."""
+    if not isinstance(grad, DTensor):
+        return ()
+    return tuple(dim for dim, placement in enumerate(grad.placements) if isinstance(placement, (Shard, _StridedShard)))
 
 
 def _local(grad: torch.Tensor) -> torch.Tensor:

@@ -3,7 +3,9 @@
 World size 4 as dp 2 x tp 2 on gloo. The repository GPT gets a colwise/rowwise plan on
 attention and MLP; compshard (uncompiled and compiled) trains it 3 AdamW steps and is
 compared with eager FSDP2 + TP (``fully_shard`` on ``mesh["dp"]`` after the same plan) and
-with single-process eager training on the global batch. One spawn runs every check.
+with single-process eager training on the global batch, gradients clipped each step by
+``compshard.clip_grad_norm_`` (torch's fails on a model with DTensors on two meshes, the
+2-D ones and the dp-only ones, for FSDP2 as for compshard). One spawn runs every check.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from tests.models import make_model
 from tests.training import RTOL, adamw, local_batch, relative_error, train_reference
 
 STEPS = 3
+MAX_NORM = 0.5  # below the gradients' norm (about 1): every step clips
 DP, TP = 2, 2
 
 
@@ -75,6 +78,7 @@ def _train(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool) -> 
     for _ in range(STEPS):
         loss = step_model(*local_batch(batch, mesh["dp"].get_local_rank(), DP))
         loss.backward()
+        compshard.clip_grad_norm_(model, MAX_NORM)
         opt.step()
         opt.zero_grad()
         mean = loss.detach().clone()
@@ -160,7 +164,7 @@ def test_parameters_rest_as_fsdp2_places_them(results):
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_training_matches_fsdp2_and_single_process(results, mode):
     model, batch = make_model("gpt")
-    reference_losses = train_reference(model, batch, STEPS)
+    reference_losses = train_reference(model, batch, STEPS, max_grad_norm=MAX_NORM)
     reference = dict(model.named_parameters())
     run, fsdp2 = results["runs"][mode], results["runs"]["fsdp2"]
     for theirs in (fsdp2.losses, reference_losses):
