@@ -145,6 +145,7 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     A graph with nothing to schedule (:func:`schedules_nothing`) runs as captured."""
     requested = CompileOptions.from_dict(options)
     opts = requested.for_devices(t.device for t in example_inputs if isinstance(t, torch.Tensor))
+    sharding.note_compiled_before_shard(example_inputs)
     if schedules_nothing(gm, opts):
         logs.log.info("compshard: a graph that reads no sharded parameter, with nothing to schedule, runs as "
                       "captured (eager autograd)")

@@ -59,6 +59,7 @@ from typing import Iterator, NamedTuple, Sequence
 import torch
 import torch.distributed as dist
 
+from compshard import liveness
 from compshard.shared_memory import shared_rows
 
 __all__ = ["ShardLayout", "UnshardArgs", "ReduceGradArgs", "GRAD_SYNC_MODES"]
@@ -216,10 +217,10 @@ def _gather_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> tor
         torch._C._distributed_c10d._register_work(buffer, shared.start_all_gather(rows))
         return buffer
     rank = group.rank()
+    works = []
     for to, source in _peers(rank, world_size):
-        works = (group.send([rows[rank]], to, GATHER_ROWS_TAG), group.recv([rows[source]], source, GATHER_ROWS_TAG))
-        for work in works:
-            torch._C._distributed_c10d._register_work(buffer, work)  # wait_tensor(buffer) waits for them all
+        works += [group.send([rows[rank]], to, GATHER_ROWS_TAG), group.recv([rows[source]], source, GATHER_ROWS_TAG)]
+    torch._C._distributed_c10d._register_work(buffer, _Watched(works, group_name))  # wait_tensor(buffer) waits
     return buffer
 
 
@@ -241,7 +242,7 @@ def _exchange_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> t
         work = shared.start_all_to_all(rows)
     else:  # gloo's all-to-all cannot receive into the buffer it sends from
         received = torch.empty_like(buffer)
-        work = _CopiedBack(group.alltoall_base(received, buffer, [], []), received, buffer)
+        work = _CopiedBack(_Watched([group.alltoall_base(received, buffer, [], [])], group_name), received, buffer)
     torch._C._distributed_c10d._register_work(buffer, work)
     return buffer
 
@@ -279,9 +280,24 @@ def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> li
         works = []
         for row, (to, source) in zip(received, _peers(rank, world_size)):
             works += [group.send([rows[to]], to, EXCHANGE_ROWS_TAG), group.recv([row], source, EXCHANGE_ROWS_TAG)]
-        for work in works:
-            work.wait()
+        _Watched(works, group_name).wait()
     return [rows[rank] if p == rank else received[(rank - p) % world_size - 1] for p in range(world_size)]
+
+
+class _Watched(dist.Work):
+    """gloo works waited as one, the wait marked as blocked in a collective of
+    ``group_name`` (:func:`compshard.liveness.blocked`: a rank waiting to compile a graph
+    this rank does not run learns so at once)."""
+
+    def __init__(self, works: list[dist.Work], group_name: str) -> None:
+        super().__init__()
+        self._works, self._group_name = works, group_name
+
+    def wait(self, timeout: object = None) -> bool:  # noqa: ARG002 - the process group's own timeout applies
+        with liveness.blocked(self._group_name):
+            for work in self._works:
+                work.wait()
+        return True
 
 
 class _CopiedBack(dist.Work):

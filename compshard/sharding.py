@@ -12,10 +12,18 @@ its reduced gradient is all-reduced across afterwards (none for ``"full_shard"``
 ``"shard_grad_op"``). ``"shard_grad_op"`` is ``"full_shard"`` with gathered parameters kept
 from forward to backward.
 
-Every read of ``module.<name>`` goes through ``compshard::unshard`` (a class-level property
-installed on a per-class subclass), so Dynamo captures one unshard per access and eager
-execution gathers for real; inside ``compshard.step_gather.gathered_for_step`` it returns
-the tensor gathered for the step instead. Compiled graphs take each DTensor's local tensor
+A read of ``module.<name>`` inside the model's forward (and a backward's recompute of it)
+goes through ``compshard::unshard`` (a class-level property installed on a per-class
+subclass), so Dynamo captures one unshard per access and eager execution gathers for
+real; inside ``compshard.step_gather.gathered_for_step`` it returns the tensor gathered
+for the step instead. Outside a forward, as with FSDP2, a read is local and cheap: it
+returns the stored ``Parameter`` (this rank's ``Shard(0)`` rows as a DTensor), and
+``.full_tensor()`` on it is the explicit collective that every rank of the shard group
+must call. Were such a read to gather, one rank reading alone (logging a norm, a
+debugger) would issue a collective the others do not, pair it with their next one, and
+every later step would train on shifted rows. "In forward" is counted by forward hooks
+on the module given to ``shard`` and on each sharded module outside a gather unit (a
+gather unit's call is its own scope: :mod:`compshard.eager_gather`). Compiled graphs take each DTensor's local tensor
 as their input (a leaf whose gradient is moved to the parameter's ``grad``), never the
 DTensor. ``state_dict`` and ``named_parameters`` read ``_parameters``
 directly and keep the original names. Tied parameters stay tied: one sharded Parameter
@@ -122,9 +130,46 @@ def _local_rows(param: nn.Parameter) -> torch.Tensor:
 
 def _sharded_property(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
-        return eager_gather.read(self, name, _unshard)
+        if torch.compiler.is_compiling() or _in_forward(self):
+            return eager_gather.read(self, name, _unshard)
+        return self._parameters[name]
 
-    return property(get, doc=f"'{name}' gathered to its full shape (compshard::unshard)")
+    return property(get, doc=f"'{name}': in the model's forward gathered to its full shape (compshard::unshard); "
+                             "elsewhere the stored shard Parameter")
+
+
+@dataclass
+class _ForwardDepth:
+    """How many forwards of one sharded model's modules are running (uncompiled: compiled
+    graphs gather whatever it says)."""
+
+    depth: int = 0
+
+
+def _in_forward(module: nn.Module) -> bool:
+    """Whether a read of ``module``'s parameters is inside the model's forward."""
+    unit = getattr(module, "_compshard_unit", None)
+    return module._compshard_forward.depth > 0 or (unit is not None and bool(unit[0]._compshard_calls))
+
+
+def _enter_forward(forward: _ForwardDepth, module: nn.Module, args: Any) -> None:
+    forward.depth += 1
+
+
+def _leave_forward(forward: _ForwardDepth, module: nn.Module, args: Any, output: Any) -> None:
+    forward.depth -= 1
+
+
+def _install_forward_scopes(root: nn.Module) -> None:
+    """Count the forwards of ``root`` and of its sharded modules outside gather units
+    (see the module docstring), for every sharded module's reads."""
+    forward = _ForwardDepth()
+    for sub in root.modules():
+        if sub is root or hasattr(sub, "_compshard_specs"):
+            sub._compshard_forward = forward
+        if sub is root or (hasattr(sub, "_compshard_specs") and not hasattr(sub, "_compshard_unit")):
+            sub.register_forward_pre_hook(functools.partial(_enter_forward, forward))
+            sub.register_forward_hook(functools.partial(_leave_forward, forward), always_call=True)
 
 
 @constant_lookup
@@ -377,6 +422,7 @@ def shard(
     _check_mesh(strategy, mesh)
     gather_units = _check_gather_units(module, gather_units)
     _check_initialized(module)
+    _warn_if_compiled_before(module)
     if mesh is None:
         mesh = _default_mesh(module)
     offload_state, compute_device = _offload_device(offload, module, mesh)
@@ -424,6 +470,7 @@ def shard(
         sub._compshard_grad_sync = grad_sync
         _install_properties(sub, names)
     _install_gather_units(module, gather_units or ())
+    _install_forward_scopes(module)
     if buffer_dtype is not None:
         for sub in module.modules():
             for name, buffer in sub._buffers.items():
@@ -437,6 +484,31 @@ def shard(
     module._compshard_grad_sync = grad_sync
     _install_casts(module, config)
     return module
+
+
+# trainable parameters that a compshard-compiled graph took unsharded while several ranks ran, by id
+_COMPILED_UNSHARDED: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+
+
+def note_compiled_before_shard(example_inputs: Sequence[Any]) -> None:
+    """Remember the plain trainable parameters among a compshard graph's inputs when a
+    process group of several ranks is up: a model compiled and called before ``shard``
+    (:func:`_warn_if_compiled_before`). The backend calls it for every graph."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return
+    for value in example_inputs:
+        if isinstance(value, nn.Parameter) and value.requires_grad and not isinstance(value, DTensor):
+            _COMPILED_UNSHARDED[id(value)] = value
+
+
+def _warn_if_compiled_before(module: nn.Module) -> None:
+    early = [name for name, param in module.named_parameters() if _COMPILED_UNSHARDED.get(id(param)) is param]
+    if early:
+        warnings.warn(
+            f"compshard.shard: the model already ran compiled with backend='compshard' before shard (parameters "
+            f"{early[:3]}...): steps taken then trained each rank's own replica unsynchronized, and shard now keeps "
+            "the first rank's values (broadcast), discarding the other ranks' updates. Call compshard.shard(model) "
+            "before the compiled model's first call", stacklevel=3)
 
 
 def _check_initialized(module: nn.Module) -> None:
