@@ -213,17 +213,31 @@ def failures(store: dist.Store, ranks: list[int]) -> list[Failure]:
 
 
 def raise_published(error: BaseException) -> None:
-    """Raise the failure another rank published (the cause of ``error``, this rank's own
-    failure in a collective with it), chained to ``error``; return when none did."""
+    """Raise the failure of another rank that caused ``error`` (this rank's own failure in a
+    collective with it), chained to ``error``: the failure it published, or, after a
+    transport error (a closed connection) with none published, the rank whose heartbeat
+    stops within :data:`STALE_SECONDS` (a killed rank publishes nothing). Return when no
+    rank failed."""
     state = _state
     if state is None:
         return
-    try:
-        found = [f for f in failures(state.store, list(range(dist.get_world_size()))) if f.rank != state.rank]
-    except Exception:  # noqa: BLE001 - the store itself may be gone with that rank; keep the original error
-        return
-    if found:
-        raise found[0].error("failed in a collective with it") from error
+    others = [rank for rank in range(dist.get_world_size()) if rank != state.rank]
+    watch = PeerWatch(state.store, interval=0.0)
+    deadline = time.monotonic() + (STALE_SECONDS + 2 * BEAT_SECONDS if _is_transport_error(error) else 0.0)
+    while True:
+        try:
+            watch.check(others, "failed in a collective with it")
+        except (RankFailed, ScheduleError) as cause:
+            raise cause from error
+        except Exception:  # noqa: BLE001 - the store itself may be gone with that rank; keep the original error
+            return
+        if time.monotonic() > deadline:
+            return
+        time.sleep(BEAT_SECONDS / 2)
+
+
+def _is_transport_error(error: BaseException) -> bool:
+    return isinstance(error, dist.DistError) or "gloo" in str(error)
 
 
 class PeerWatch:
