@@ -43,6 +43,7 @@ from typing import Any, Callable, Sequence
 import torch
 from torch import fx
 
+from compshard.ops import direct_call
 from compshard.passes.fx_utils import is_view
 
 __all__ = ["compile_regions", "is_owned"]
@@ -140,17 +141,20 @@ def _compile_region(region: fx.GraphModule, inputs: list[fx.Node], kind: str) ->
 
 
 def _eager(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> Callable[[list], list]:
-    """Run ``nodes`` one by one, as the fx codegen does (owned nodes, view-only regions)."""
+    """Run ``nodes`` one by one, as the fx codegen does (owned nodes, view-only regions);
+    compshard's bucket copies and frees without the dispatcher (``ops.direct_call``)."""
     for node in nodes:
         if node.op != "call_function":
             raise NotImplementedError(f"compshard: codegen 'inductor' cannot run {node.format_node()}")
 
+    calls = [(node, direct_call(node.target)) for node in nodes]
+
     def call(values: list) -> list:
         env = dict(zip(inputs, values))
         values.clear()
-        for node in nodes:
+        for node, target in calls:
             args, kwargs = fx.map_arg((node.args, node.kwargs), env.__getitem__)
-            env[node] = node.target(*args, **kwargs)
+            env[node] = target(*args, **kwargs)
         return [env[value] for value in outputs]
 
     return call

@@ -12,10 +12,12 @@ enough; it does not matter when triton or compshard were imported.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
 import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from types import ModuleType
 
@@ -43,10 +45,15 @@ INTERPRET_BLOCK = 64
 INTERPRET_ROWS = 32
 INTERPRET_ROWS_ABOVE = 128  # work items; at or below this, one item per program as on GPU
 
+# Launch metadata tensors kept on the device (see _device_meta): a few hundred bytes
+# each; enough for every bucket copy of a step of a large model, several times over.
+META_CACHE_ENTRIES = 4096
+
 _KIND = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _MAX_ALIGN = 16  # bytes; the widest vector access
 _modules: dict[bool, ModuleType] = {}
 _lock = threading.Lock()
+_meta_cache: OrderedDict[tuple, torch.Tensor] = OrderedDict()
 
 
 @functools.lru_cache(maxsize=1)
@@ -126,6 +133,33 @@ def _division(divide_by: float | None) -> tuple[int, float]:
     return 1, divide_by
 
 
+def _device_meta(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """The kernel's metadata ``values`` as an int64 tensor on ``device``.
+
+    [Note: launch metadata cache] A training step copies the same buckets between the
+    same addresses step after step (the caching allocator hands the same blocks back), so
+    building a host tensor and copying it to the device on every launch is host time
+    spent again for the same bytes, and a launch-bound GPU step waits for it. The tensor
+    is kept, keyed by its values, its device and (on CUDA) the stream it was copied on: a
+    kernel reads it only on that stream, after the copy. Nothing writes to it afterwards,
+    so equal keys mean equal contents. Least recently used entries are dropped beyond
+    ``META_CACHE_ENTRIES``."""
+    stream = torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0
+    key = (device, stream, values)
+    with _lock:
+        meta = _meta_cache.get(key)
+        if meta is not None:
+            _meta_cache.move_to_end(key)
+            return meta
+    host = torch.tensor(values, dtype=torch.int64, pin_memory=device.type == "cuda")
+    meta = host.to(device, non_blocking=True)
+    with _lock:
+        _meta_cache[key] = meta
+        while len(_meta_cache) > META_CACHE_ENTRIES:
+            _meta_cache.popitem(last=False)
+    return meta
+
+
 def launch(
     *,
     interpret: bool,
@@ -155,12 +189,8 @@ def launch(
     if total_items == 0:
         return
     rows = INTERPRET_ROWS if interpret and total_items > INTERPRET_ROWS_ABOVE else 1
-    meta_host = torch.tensor(
-        [*src_addrs, *dst_addrs, *seg_lens, *valids, *src_rank_strides, *dst_rank_strides, *item_starts],
-        dtype=torch.int64,
-        pin_memory=device.type == "cuda",
-    )
-    meta = meta_host.to(device, non_blocking=True)
+    meta = _device_meta(
+        (*src_addrs, *dst_addrs, *seg_lens, *valids, *src_rank_strides, *dst_rank_strides, *item_starts), device)
     module = kernel_module(interpret)
     src_itemsize = src_dtype.itemsize
     dst_itemsize = dst_dtype.itemsize
@@ -191,8 +221,9 @@ def launch(
     if interpret:
         kernel[grid](*args, **constexprs)
     else:
-        with torch.cuda.device(device):
-            # No multiply-add exists in the kernel; disabling fusion just makes the
-            # IEEE semantics explicit (and silences triton 3.9's default warning).
-            num_warps = max(1, NUM_WARPS * block // largest)
+        # No multiply-add exists in the kernel; disabling fusion just makes the IEEE
+        # semantics explicit (and silences triton 3.9's default warning).
+        num_warps = max(1, NUM_WARPS * block // largest)
+        on_current = device.index is None or device.index == torch.cuda.current_device()
+        with contextlib.nullcontext() if on_current else torch.cuda.device(device):
             kernel[grid](*args, **constexprs, num_warps=num_warps, enable_fp_fusion=False)
