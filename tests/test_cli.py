@@ -65,3 +65,50 @@ def test_fake_world_step_runs_as_rank_0_of_n(tmp_path):
     rows = record["results"]
     assert rows["compshard"]["collectives"] and rows["compshard"]["comm_seconds"] == 0.0
     assert rows["compshard"]["median_step_seconds"] > 0 and rows["compute-only"]["median_step_seconds"] > 0
+
+
+def test_bf16_leaves_ddp_out(tmp_path):
+    done = run_bench_step("--dtype", "bf16", "--systems", "compshard,ddp", tmp_path=tmp_path)
+    assert done.returncode == 2 and "--dtype bf16" in done.stderr and "leave ddp out" in done.stderr, done.stderr
+
+
+# bench_step as __main__ with torchvision's Python modules importable first, as the test
+# suite arranges (transformers imports torchvision where it is installed).
+LLAMA_PROBE = """
+import runpy, sys
+sys.path[:0] = [{root!r}, {folder!r}]
+from tests.real_models import ensure_torchvision_importable
+ensure_torchvision_importable()
+sys.argv = ["bench_step.py", *{args!r}]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+def test_bf16_llama_step_at_fake_world_with_mfu(tmp_path):
+    """--model llama builds transformers' Llama from harness.LlamaShape; --dtype bf16 gathers
+    in bf16 (FSDP2's derived all-gathers carry half the bytes of its fp32 reduce-scatters)
+    and --peak-tflops gives every row an MFU."""
+    shape = '{"n_layer": 2, "n_embd": 32, "n_head": 4, "n_kv_head": 2, "intermediate": 64, "vocab_size": 64, ' \
+            '"block_size": 16}'
+    args = ["--fake-world", "2", "--batch", "2", "--steps", "1", "--warmup", "1", "--systems", "compshard,fsdp2",
+            "--model", "llama", "--llama-shape", shape, "--dtype", "bf16", "--peak-tflops", "1",
+            "--out", str(tmp_path / "step.json")]
+    probe = LLAMA_PROBE.format(root=str(BENCHMARKS.parent), folder=str(BENCHMARKS), args=args,
+                               script=str(BENCHMARKS / "bench_step.py"))
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=BENCHMARKS,
+                          env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")})
+    assert done.returncode == 0, done.stderr[-3000:]
+    record = json.loads((tmp_path / "step.json").read_text())
+    assert record["dtype"] == "bf16" and record["config"]["model"] == "llama" and record["config"]["n_layer"] == 2
+    rows = record["results"]
+    assert all(row["mfu"] > 0 for row in rows.values())
+    fsdp2 = rows["fsdp2"]["collectives"]
+    gathers = [c["nbytes"] for c in fsdp2 if c["kind"] == "all_gather"]
+    reductions = [c["nbytes"] for c in fsdp2 if c["kind"] == "reduce_scatter"]
+    assert {2 * n for n in gathers[1:]} == set(reductions[:-1])  # the blocks', in bf16 against fp32
+
+
+def test_llama_shape_names_its_fields(tmp_path):
+    done = run_bench_step("--model", "llama", "--llama-shape", '{"layers": 2}', "--fake-world", "2", "--batch", "2",
+                          tmp_path=tmp_path)
+    assert done.returncode != 0 and "--llama-shape" in done.stderr and "layers" in done.stderr, done.stderr[-2000:]
