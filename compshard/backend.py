@@ -124,12 +124,9 @@ def schedules_nothing(gm: fx.GraphModule, options: CompileOptions) -> bool:
     Such a graph runs as Dynamo captured it, under eager autograd, not through
     AOTAutograd: there, with the fx codegen, it would run the same aten ops one Python call
     each, and its backward, one autograd node, would return every gradient at its end,
-    where eager autograd accumulates each as it is made. On 2 CPU cores (one thread, fp32,
-    medians of 15 to 30): the benchmark's small GPT, forward and backward, 36.9 ms eager,
-    39.6 through AOTAutograd (``backend="aot_eager"``); the last pipeline stage of the
-    47 MiB GPT accumulating gradients over micro-batches, 50.7 to 52.6 ms eager, 53.2 to
-    54.4 as captured, 58.1 to 60.3 through AOTAutograd, whose held gradients also raised
-    the compiled ``per_step`` pipeline's peak by 16 MiB a rank. What is lost: no
+    where eager autograd accumulates each as it is made (and so holds fewer gradients at
+    once, which matters most when a pipeline stage accumulates over micro-batches). What
+    is lost: no
     ``compshard.inspect`` schedule for such a graph (it has none) and the partitioner's
     choice of saved activations (eager autograd saves what eager does).
     """

@@ -159,11 +159,8 @@ def reduce_scatters_by_exchange(group_name: str, device: torch.device) -> bool:
     buffer (``compshard::exchange_rows_``, in place) followed by a local sum of the
     ``world_size`` received rows. gloo (torch 2.11 to 2.13) runs ``reduce_scatter_tensor``
     as an all-reduce of the whole buffer, which moves twice the bytes of the all-to-all
-    and reduces every element on every rank; measured on 2 CPU cores, gloo's all-to-all
-    and the sum took 0.5 to 0.65x its time from 8 MiB up. Where the group's ranks share a
-    host the exchange goes through shared memory (:mod:`compshard.shared_memory`): at 2
-    ranks, a fresh buffer of 6.6, 27 and 47 MiB took 1.1, 8.7 and 6.5 ms against 5.7,
-    26.8 and 47.0 ms through gloo's all-to-all (with its fresh output). Elsewhere gloo's
+    and reduces every element on every rank. Where the group's ranks share a host the
+    exchange goes through shared memory (:mod:`compshard.shared_memory`). Elsewhere gloo's
     all-to-all receives into a temporary, which the in-place op's wait copies back;
     eager reductions send and receive the rows instead, and read them once
     (:func:`exchanged_rows`).
@@ -178,14 +175,8 @@ def all_gathers_by_send_recv(group_name: str, device: torch.device) -> bool:
     every other rank and receives theirs into their rows. gloo (torch 2.11 to 2.13)
     receives an all-gather into two temporaries of its output's size and then copies
     them into the output; the sends and receives allocate nothing and copy nothing (the
-    same bytes either way). The previous way, one broadcast per rank (0.58 to 0.91x
-    gloo's all-gather from 3.4 to 47 MiB), was timed against it in one process on 2 CPU
-    cores (a fresh output and the copy-in included, medians of 15, 2 runs x 2 rounds):
-    at 2 ranks 0.65 to 0.85 ms against 0.85 to 1.05 at 0.8 MiB a row, 1.7 against 1.6 to
-    2.8 at 1.65 MiB, 5.6 to 6.6 against 5.8 to 7.5 at 6.6 MiB, 13.2 to 14.3 against 13.4
-    to 14.4 at 13.25 MiB; at 4 ranks 2.8 to 3.2 against 3.5 to 4.5, 5.3 to 6.2 against
-    6.3 to 8.1, 22 to 26 against 25 to 115 and 86 to 89 against 86 to 100 ms. The
-    gathered bits are the same. Where every rank of the group is on one host, the op
+    same bytes either way, the same gathered bits). Where every rank of the group is on
+    one host, the op
     moves the rows through shared memory instead (:mod:`compshard.shared_memory`).
     """
     return backend_name(group_name, device) == "gloo"
@@ -265,11 +256,9 @@ def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> li
     reductions). Through shared memory, ``buffer`` exchanged in place
     (:func:`exchange_rows`). Else sends and receives on gloo, as the all-gather's
     (``compshard::gather_rows_``): each other rank's row received into a new tensor, this
-    rank's own row read where it lies in ``buffer``. gloo's all-to-all would copy the own
-    row into its output too, and the in-place op copies all of its output back; at 2
-    ranks in the 2 x 2 pipeline benchmark the exchange took 0.7 to 1.0 ms of CPU a rank
-    against 0.9 to 1.4 for the small GPT's 1.8 MiB stage. ``buffer`` may be
-    overwritten."""
+    rank's own row read where it lies in ``buffer``: gloo's all-to-all would copy the own
+    row into its output too, and the in-place op copies all of its output back.
+    ``buffer`` may be overwritten."""
     group = resolve_group(group_name)
     if shared_rows(group) is not None:
         return list(exchange_rows(buffer, world_size, group_name).view(world_size, -1))
@@ -480,9 +469,8 @@ def sum_rows(rows: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | No
     or a list of equal tensors), into ``out`` when given (cast to its dtype as
     ``Tensor.to`` does); eager and compiled reductions alike
     (:func:`sum_rows_into_shards` unpacks each parameter's columns through it). Two
-    rows: one ``add``, which on CPU took a third of the time of ``sum(0)`` (1.75 against
-    5.4 ms on 2 x 3.4M fp32; ``sum(0)`` was the faster at 3 and more rows; a list is
-    stacked for it, the same bits as its rows in one tensor). The values are the same;
+    rows: one ``add``, much cheaper on CPU than ``sum(0)``, which wins from 3 rows on (a
+    list is stacked for it, the same bits as its rows in one tensor). The values are the same;
     only the sign of a zero can differ (``-0.0 + -0.0`` is ``-0.0``, as a reduce-scatter
     gives, where ``sum(0)`` gives ``+0.0``)."""
     if len(rows) == 2:
@@ -495,8 +483,7 @@ def sum_rows_into_shards(rows: torch.Tensor | Sequence[torch.Tensor], shard_nume
                          local_numels: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
     """Each parameter's shard (``local_numels[i]`` elements, cast to ``dtype``) summed
     straight from its columns of the exchanged ``rows`` (:func:`sum_rows`): no buffer of
-    the sums, and one pass fewer (on CPU 1.8 against 4.1 ms for 27 MiB received in 48
-    parameters)."""
+    the sums to copy out, so one pass over the bytes fewer."""
     shards = [rows[0].new_empty(n, dtype=dtype) for n in local_numels]
     offset = 0
     for shard, length, numel in zip(shards, shard_numels, local_numels):
@@ -535,7 +522,7 @@ def _kernel(name: str, dtypes: list[torch.dtype], device: torch.device):
     Triton kernel (its checks come first: a kernel must never see metadata that could make
     it write out of bounds), else the torch reference directly (other dtypes; CPU without
     ``TRITON_INTERPRET``): the compiler built the arguments, torch's own ops check their
-    bounds, and the public function's checks cost about 2 us per tensor on every call."""
+    bounds, and the public function's checks cost host time per tensor on every call."""
     from compshard import kernels
 
     supported = all(dtype in kernels.SUPPORTED_DTYPES for dtype in dtypes)

@@ -40,10 +40,9 @@ def mark_held_outside(forward: fx.Graph, backward: fx.Graph) -> None:
     (parameter shards, buffers, the batch, views of them; the partitioner names each
     backward input after the forward value it saves): at run time the module and the
     caller hold them, so the backward's last use of them frees nothing and the model
-    does not count them. Counted as released there, a graph's later points looked
-    cheaper than its start by the shards' bytes (20 MiB a rank on the 47 MiB GPT at 2
-    ranks), and coalescing joined a backward all-gather that raised the measured peak
-    by 13.5 MiB."""
+    does not count them. Counted as released there, a graph's later points would look
+    cheaper than its start by the shards' bytes, and coalescing would join collectives
+    that raise the real peak."""
     roots = storages(forward, count_inputs=False).roots
     from_inputs = {node.name for node in forward.nodes
                    if roots[node] is None and not isinstance(node.meta.get("val"), (list, tuple))}
