@@ -12,6 +12,14 @@ forms, both keyed by the unsharded model's parameter names:
 - full: :func:`get_full_state_dict` / :func:`set_full_state_dict` gather whole tensors
   on CPU (rank 0 only by default) and scatter them back.
 
+A sharded save is atomic: the ranks write into a new sibling directory
+(``<path>.saving-<token>``), DCP's coordinator writes its ``.metadata`` there last, once
+every rank has written its files, and only then is the directory renamed to ``path``
+(an existing checkpoint first renamed aside, then removed). So ``path`` holds the old
+checkpoint or the new one, whole, never a mix of the two, whatever rank dies when; an
+unfinished save leaves only its ``.saving-`` directory. :func:`load` refuses a directory
+whose ``.metadata`` or data files are missing or short, naming what is missing.
+
 Both hold ``{"model": <model state dict>, "optimizer": <optimizer state dict>}`` as
 ``torch.distributed.checkpoint.state_dict`` builds them: model entries under
 ``state_dict()`` keys, optimizer state under parameter names (``{"state": {name: {...}},
@@ -22,13 +30,17 @@ those two entries with DCP reads and writes the same checkpoints, either way rou
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
+import shutil
+import uuid
 import warnings
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader
 from torch import nn
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
@@ -88,14 +100,80 @@ def parameters_at_rest(module: nn.Module) -> Iterator[nn.Module]:
 
 
 def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
-    """Write ``module``'s (and ``optimizer``'s) shards to the DCP directory ``path``.
+    """Write ``module``'s (and ``optimizer``'s) shards to the DCP directory ``path``,
+    atomically (see the module docstring): an existing checkpoint there is replaced only
+    once the new one is whole.
 
     Nothing is gathered: each rank writes its own rows. Collective.
     """
     module = _check_arguments("save", module, optimizer)
     _check_path("save", path)
+    target = os.path.abspath(os.fspath(path))
+    token: list[object] = [uuid.uuid4().hex]
+    if _distributed():  # every rank writes into the same new directory
+        dist.broadcast_object_list(token, src=0)
+    staging = f"{target}.saving-{token[0]}"
     with _no_single_process_warning():
-        dcp.save(_sharded_state(module, optimizer), checkpoint_id=path)
+        dcp.save(_sharded_state(module, optimizer), checkpoint_id=staging)
+    outcome: list[object] = [None]
+    if not _distributed() or dist.get_rank() == 0:
+        try:
+            _commit(staging, target, f"{target}.replaced-{token[0]}")
+        except OSError as error:
+            outcome = [f"compshard.checkpoint.save: could not rename the written checkpoint {staging} to {target}: "
+                       f"{error}"]
+    if _distributed():  # every rank returns once the checkpoint is in place, or raises
+        dist.broadcast_object_list(outcome, src=0)
+    if outcome[0] is not None:
+        raise OSError(outcome[0])
+
+
+def _commit(staging: str, target: str, replaced: str) -> None:
+    """Put the complete checkpoint ``staging`` at ``target``: an existing one is renamed to
+    ``replaced`` first, then removed; directories that unfinished saves to ``target``
+    left are removed too."""
+    if os.path.lexists(target):
+        os.rename(target, replaced)
+    os.rename(staging, target)
+    for leftover in [replaced, *glob.glob(f"{glob.escape(target)}.saving-*")]:
+        shutil.rmtree(leftover, ignore_errors=True)
+
+
+def _check_complete(path: str | os.PathLike) -> None:
+    """Raise, naming what is missing, unless ``path`` is a whole DCP checkpoint: its
+    ``.metadata`` (written last) and every byte of the data files it names."""
+    where = os.path.abspath(os.fspath(path))
+    if not os.path.isdir(where):
+        replaced = glob.glob(f"{glob.escape(where)}.replaced-*")
+        if replaced:
+            raise FileNotFoundError(
+                f"compshard.checkpoint.load: no checkpoint at {where}: a save that replaced it stopped between its "
+                f"two renames; the previous checkpoint, whole, is {replaced[0]}: rename it to {where}")
+        unfinished = glob.glob(f"{glob.escape(where)}.saving-*")
+        raise FileNotFoundError(f"compshard.checkpoint.load: no checkpoint at {where}" + (
+            f" (only the unfinished save(s) {unfinished}, which hold no complete checkpoint)" if unfinished else ""))
+    if not os.path.exists(os.path.join(where, ".metadata")):
+        raise ValueError(
+            f"compshard.checkpoint.load: {where} is not a complete checkpoint: its .metadata, written last when every "
+            "rank has written its files, is missing (the save did not finish, or this is not a DCP checkpoint)")
+    try:
+        metadata = FileSystemReader(where).read_metadata()
+    except Exception as error:  # noqa: BLE001 - re-raised with what it means here
+        raise ValueError(f"compshard.checkpoint.load: the .metadata of checkpoint {where} cannot be read: "
+                         f"{type(error).__name__}: {error}") from error
+    needed: dict[str, int] = {}
+    for item in (metadata.storage_data or {}).values():
+        needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
+    problems = []
+    for name, size in sorted(needed.items()):
+        file = os.path.join(where, name)
+        if not os.path.exists(file):
+            problems.append(f"{name} is missing")
+        elif os.path.getsize(file) < size:
+            problems.append(f"{name} has {os.path.getsize(file)} of its {size} bytes")
+    if problems:
+        raise ValueError(f"compshard.checkpoint.load: checkpoint {where} is incomplete: {'; '.join(problems)} (a "
+                         "rank's write was interrupted, or files were removed)")
 
 
 def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -108,6 +186,7 @@ def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
     """
     module = _check_arguments("load", module, optimizer)
     _check_path("load", path)
+    _check_complete(path)
     state = _sharded_state(module, optimizer)
     with _no_single_process_warning():
         dcp.load(state, checkpoint_id=path)

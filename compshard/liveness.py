@@ -178,7 +178,7 @@ def _blocked_on() -> str:
 
 def _beat_once() -> None:
     state = _state
-    if state is None:
+    if state is None or not dist.is_initialized():  # no beat into the store of a destroyed group
         return
     state.beats += 1
     with _lock:

@@ -95,7 +95,7 @@ def test_sharded_model_keeps_names_and_ties():
     sharded = compshard.shard(copy.deepcopy(reference))
     assert [n for n, _ in sharded.named_parameters()] == [n for n, _ in reference.named_parameters()]
     assert sharded.lm_head._parameters["weight"] is sharded.wte._parameters["weight"]
-    assert torch.equal(sharded.wte.weight, reference.wte.weight)  # reading the attribute unshards
+    assert torch.equal(sharded.wte.weight, reference.wte.weight)  # outside forward: the stored Parameter
 
 
 def test_inspect_at_world_size_one_and_leaves_grads_alone():

@@ -273,3 +273,49 @@ def test_bad_arguments(call, error, message):
     model, optimizer = _fresh_compshard("mlp")
     with pytest.raises(error, match=message):
         call(model, optimizer)
+
+
+# ----------------------------------------------------------------- atomic saves, whole loads
+
+
+def test_a_save_over_a_checkpoint_replaces_it_whole(tmp_path):
+    """The second save's values, nothing left of the first, no staging directory left."""
+    path = tmp_path / "ckpt"
+    model, _ = _fresh_compshard("mlp")
+    checkpoint.save(path, model)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)
+    checkpoint.save(path, model)
+    loaded, _ = _fresh_compshard("mlp")
+    checkpoint.load(path, loaded)
+    for (name, value), (_, expected) in zip(loaded.state_dict().items(), model.state_dict().items()):
+        assert torch.equal(value, expected), name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def _damage_data_file(path: str) -> str:
+    data = sorted(name for name in os.listdir(path) if name.endswith(".distcp"))[0]
+    with open(os.path.join(path, data), "r+b") as file:
+        file.truncate(os.path.getsize(file.name) // 2)
+    return data
+
+
+@pytest.mark.parametrize(
+    "damage, message",
+    [
+        (lambda path: os.remove(os.path.join(path, ".metadata")), r"is not a complete checkpoint: its \.metadata"),
+        (_damage_data_file, r"is incomplete: __0_0\.distcp has \d+ of its \d+ bytes"),
+        (lambda path: os.rename(path, path + ".replaced-1"), r"stopped between its two renames; the previous "
+                                                             r"checkpoint, whole, is .*ckpt\.replaced-1"),
+        (lambda path: os.rename(path, path + ".saving-1"), r"no checkpoint at .*ckpt \(only the unfinished save"),
+    ],
+    ids=["no metadata", "data file cut short", "interrupted commit", "unfinished save"],
+)
+def test_a_partial_checkpoint_is_refused_naming_what_is_missing(tmp_path, damage, message):
+    path = str(tmp_path / "ckpt")
+    model, optimizer = _fresh_compshard("mlp")
+    checkpoint.save(path, model, optimizer)
+    damage(path)
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        checkpoint.load(path, model, optimizer)
