@@ -1,11 +1,12 @@
 """Data parallel over tensor parallel (2-D): ``compshard.shard`` after ``parallelize_module``.
 
 World size 4 as dp 2 x tp 2 on gloo. The repository GPT gets a colwise/rowwise plan on
-attention and MLP; compshard (uncompiled and compiled) trains it 3 AdamW steps and is
-compared with eager FSDP2 + TP (``fully_shard`` on ``mesh["dp"]`` after the same plan) and
-with single-process eager training on the global batch, gradients clipped each step by
+attention and MLP, HF Llama the torchtitan-style plan with and without sequence
+parallel; compshard (uncompiled and compiled) trains each 3 AdamW steps and is compared
+with eager FSDP2 + TP (``fully_shard`` on ``mesh["dp"]`` after the same plan) and with
+single-process eager training on the global batch, gradients clipped each step by
 ``compshard.clip_grad_norm_`` (torch's fails on a model with DTensors on two meshes, the
-2-D ones and the dp-only ones, for FSDP2 as for compshard). One spawn runs every check.
+2-D ones and the dp-only ones, for FSDP2 as for compshard). One spawn per model.
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import fully_shard
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_tensor
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+)
 
 import compshard
 from compshard.backend import record_compiles
@@ -29,10 +32,15 @@ from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
 from compshard.passes.fx_utils import c10d, is_op, op_arg, program_collective
 from tests.distributed import run_distributed
 from tests.models import make_model
-from tests.training import RTOL, adamw, local_batch, relative_error, train_reference
+from tests.real_models import build_llama
+from tests.training import ADAMW, RTOL, local_batch, relative_error, train_reference
 
 STEPS = 3
 MAX_NORM = 0.5  # below the gradients' norm (about 1): every step clips
+# HF Llama's weights start at std 0.02, so the suite's lr of 1e-2 moves them by about half
+# their size a step, and tensor parallelism's own reduction order then puts eager FSDP2 +
+# TP 1.3e-5 from single-process training after 3 steps; at 1e-3 it is 1.5e-6.
+LLAMA_LR = 1e-3
 DP, TP = 2, 2
 
 
@@ -46,6 +54,36 @@ def gpt_plan(model: nn.Module) -> dict:
         plan[f"blocks.{i}.attn.proj"] = RowwiseParallel(input_layouts=Replicate())
         plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel()
         plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel()
+    return plan
+
+
+def llama_plan(model: nn.Module, sequence_parallel: bool) -> dict:
+    """torchtitan's plan in HF Llama's names: embedding rowwise, q/k/v and gate/up colwise,
+    o/down rowwise, the head colwise. With sequence parallel the activations between the
+    blocks stay DTensors split on the sequence (the norms run on the split), and each
+    attention and MLP gathers its input; the embedding's output is a DTensor of the full
+    shape, which HF's position ids and mask are built from."""
+    between = Shard(1) if sequence_parallel else Replicate()
+    local = not sequence_parallel
+    plan = {"model.model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between,
+                                                        use_local_output=local),
+            "model.lm_head": ColwiseParallel(input_layouts=between, output_layouts=Replicate())}
+    for i in range(len(model.model.model.layers)):
+        layer = f"model.model.layers.{i}"
+        plan |= {f"{layer}.{name}": ColwiseParallel() for name in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+        plan |= {f"{layer}.{name}": RowwiseParallel(output_layouts=between, use_local_output=local)
+                 for name in ("self_attn.o_proj", "mlp.down_proj")}
+        if sequence_parallel:
+            plan |= {f"{layer}.input_layernorm": SequenceParallel(),
+                     f"{layer}.post_attention_layernorm": SequenceParallel(),
+                     f"{layer}.self_attn": PrepareModuleInput(
+                         input_kwarg_layouts={"hidden_states": Shard(1)},
+                         desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
+                     f"{layer}.mlp": PrepareModuleInput(
+                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)}
+    if sequence_parallel:
+        plan["model.model.norm"] = SequenceParallel()
     return plan
 
 
@@ -71,9 +109,13 @@ class GraphCollectives:
     compshard_groups: set[str]
 
 
-def _train(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool) -> Run:
+def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(model.parameters(), **(ADAMW | {"lr": lr}))
+
+
+def _train(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool, lr: float = ADAMW["lr"]) -> Run:
     step_model = torch.compile(model, backend="compshard") if compiled else model
-    opt = adamw(model)
+    opt = _adamw(model, lr)
     losses = []
     for _ in range(STEPS):
         loss = step_model(*local_batch(batch, mesh["dp"].get_local_rank(), DP))
@@ -88,6 +130,17 @@ def _train(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool) -> 
               for name, p in model.named_parameters()}
     placements = {name: tuple(p.placements) for name, p in model.named_parameters() if isinstance(p, DTensor)}
     return Run(losses, params, placements)
+
+
+def _sharded(mode: str, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+    """``model`` (tensor-parallel already) sharded over ``mesh["dp"]``: by FSDP2 for
+    ``"fsdp2"`` (each repeated block, then the root, as FSDP2 is applied), else by compshard."""
+    if mode != "fsdp2":
+        return compshard.shard(model, mesh=mesh["dp"])
+    blocks = model.blocks if hasattr(model, "blocks") else model.model.model.layers
+    for block in blocks:
+        fully_shard(block, mesh=mesh["dp"])
+    return fully_shard(model, mesh=mesh["dp"])
 
 
 def _collectives(kind: str, graph: torch.fx.Graph) -> GraphCollectives:
@@ -133,13 +186,7 @@ def _worker(rank: int, world_size: int) -> dict:
     runs = {}
     with record_compiles() as recorded:  # the compiled run's graphs (the others compile nothing)
         for mode in ("fsdp2", "eager", "compiled"):
-            replica = parallelize_module(copy.deepcopy(model), mesh["tp"], gpt_plan(model))
-            if mode == "fsdp2":
-                for block in replica.blocks:
-                    fully_shard(block, mesh=mesh["dp"])
-                fully_shard(replica, mesh=mesh["dp"])
-            else:
-                compshard.shard(replica, mesh=mesh["dp"])
+            replica = _sharded(mode, parallelize_module(copy.deepcopy(model), mesh["tp"], gpt_plan(model)), mesh)
             runs[mode] = _train(replica, batch, mesh, compiled=mode == "compiled")
     graphs = [_collectives(g.kind, g.gm.graph) for g in recorded]
     groups = {"dp": mesh["dp"].get_group().group_name, "tp": mesh["tp"].get_group().group_name}
@@ -147,9 +194,34 @@ def _worker(rank: int, world_size: int) -> dict:
     return result if rank == 0 else {}
 
 
+def _llama_worker(rank: int, world_size: int) -> dict:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    model, batch = build_llama()
+    runs = {}
+    for sequence_parallel in (False, True):
+        for mode in ("fsdp2", "eager", "compiled"):
+            replica = parallelize_module(copy.deepcopy(model), mesh["tp"], llama_plan(model, sequence_parallel))
+            runs[mode, sequence_parallel] = _train(_sharded(mode, replica, mesh), batch, mesh,
+                                                   compiled=mode == "compiled", lr=LLAMA_LR)
+    return runs if rank == 0 else {}
+
+
 @pytest.fixture(scope="module")
 def results() -> dict:
     return run_distributed(_worker, DP * TP, timeout=600)[0]
+
+
+@pytest.fixture(scope="module")
+def llama_runs() -> dict:
+    return run_distributed(_llama_worker, DP * TP, timeout=900)[0]
+
+
+def _assert_parity(run: Run, fsdp2: Run, reference_losses: list[float], reference: dict[str, nn.Parameter]) -> None:
+    for theirs in (fsdp2.losses, reference_losses):
+        assert run.losses == pytest.approx(theirs, rel=RTOL)
+    for name, param in run.params.items():
+        assert relative_error(param, fsdp2.params[name]) < RTOL, name
+        assert relative_error(param, reference[name].detach()) < RTOL, name
 
 
 def test_parameters_rest_as_fsdp2_places_them(results):
@@ -166,12 +238,17 @@ def test_training_matches_fsdp2_and_single_process(results, mode):
     model, batch = make_model("gpt")
     reference_losses = train_reference(model, batch, STEPS, max_grad_norm=MAX_NORM)
     reference = dict(model.named_parameters())
-    run, fsdp2 = results["runs"][mode], results["runs"]["fsdp2"]
-    for theirs in (fsdp2.losses, reference_losses):
-        assert run.losses == pytest.approx(theirs, rel=RTOL)
-    for name, param in run.params.items():
-        assert relative_error(param, fsdp2.params[name]) < RTOL, name
-        assert relative_error(param, reference[name].detach()) < RTOL, name
+    _assert_parity(results["runs"][mode], results["runs"]["fsdp2"], reference_losses, reference)
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+@pytest.mark.parametrize("mode", ["eager", "compiled"])
+def test_llama_matches_fsdp2_and_single_process(llama_runs, mode, sequence_parallel):
+    model, batch = build_llama()
+    reference_losses = train_reference(model, batch, STEPS, max_grad_norm=MAX_NORM, optimizer=_adamw(model, LLAMA_LR))
+    run = llama_runs[mode, sequence_parallel]
+    assert run.placements == llama_runs["fsdp2", sequence_parallel].placements
+    _assert_parity(run, llama_runs["fsdp2", sequence_parallel], reference_losses, dict(model.named_parameters()))
 
 
 def _op_and_index(name: str) -> tuple[str, int]:
