@@ -17,16 +17,37 @@ keep every rank issuing the same collectives in the same order whatever the data
   module's forward.
 - **Gradients reduced in reverse gather order.** The order in which autograd finishes
   the gradients of gathered parameters follows the shape of the autograd graph, which
-  the routing changes. So an uncompiled gather's gradient is reduce-scattered only when
-  every gather after it has had its gradient reduced; what is still waiting when the
-  backward ends is reduced then, in the same order (:class:`EagerReductions`). A gather
-  that its call never used (a skipped expert: its autograd node is gone while others of
-  the same call still take part in the backward) is reduced with a zero gradient, its
-  true contribution, so the other ranks' reductions find a partner. When autograd
-  finishes gradients in reverse forward order (the usual case) each is reduced at once;
-  otherwise the price is memory: a full gradient waits for those ahead of it. Compiled
-  graphs reduce inside their backward, as scheduled (an unused gathered output's
-  gradient is zeros there too).
+  the routing changes. So uncompiled gathers form a stack in gather order, and only its
+  top is reduce-scattered: a gather's gradient is reduced when every gather after it has
+  been (:class:`EagerReductions`); what is left when the backward ends is reduced then,
+  in the same order. A gather that its call never used (a skipped expert: its autograd
+  node is gone while others of the same call still take part in the backward) is reduced
+  with a zero gradient, its true contribution, so the other ranks' reductions find a
+  partner. When autograd finishes gradients in reverse forward order (the usual case)
+  each is reduced at once; otherwise the price is memory: a full gradient waits for
+  those ahead of it. Compiled graphs reduce inside their backward, as scheduled (an
+  unused gathered output's gradient is zeros there too).
+
+Gathers made while a backward runs go on top of the stack like any other: a reentrant
+checkpoint's recompute or a reversible block's reconstruction gathers the parameters
+again and back-propagates through them in a nested backward, whose gradients are reduced
+as they come, before the forward's gathers below; a non-reentrant checkpoint's recompute
+is never back-propagated, so its gathers are dropped when their graph goes. Where those
+gathers fall among the forward's follows autograd's order of the backward's nodes, the
+same on every rank for the same graph. A gradient that reaches a gather the walk has
+passed (a second backward through a retained graph, one run inside the forward) puts it
+back on top, to be reduced again.
+
+A parameter's gathers made while one of them waits share one reduction (a tied
+embedding and head, a block called twice, a recompute while the forward's gather waits):
+their gradients are summed in the gathered dtype, in the order autograd produces them,
+and reduced once, when the walk has passed the last of them. That is what a compiled
+graph does with the uses of its one ``unshard`` of the parameter, so both paths train a
+model whose weights have several uses alike (bitwise, for GPT-2's tied weights in bf16).
+At the end of each backward every gradient it delivered is checked to have reached its
+parameter's ``.grad``; one that did not is an error naming the parameter, never a silent
+``None``. ``backward(create_graph=True)`` through a gather is refused, naming the
+parameter: its reduction is not differentiable.
 
 Consequence: a parameter that a unit gathers but that no rank uses in a step gets a
 zero gradient, not ``None``: an optimizer with weight decay or momentum still moves it,
@@ -49,20 +70,40 @@ from torch.distributed.tensor import DTensor
 
 from compshard.ops import UnshardArgs
 
-__all__ = ["EagerReductions", "accumulate_grad", "gather", "install_call_scope", "needs_call_scope"]
+__all__ = ["EagerReductions", "accumulate_grad", "gather", "install_call_scope", "needs_call_scope", "recomputing"]
 
 
-@dataclass
-class _Pending:
-    """One uncompiled gather whose gradient is reduced in reverse gather order."""
+@dataclass(eq=False)
+class _Reduction:
+    """One ``compshard::reduce_grad`` of a parameter's gradient, shared by the parameter's
+    gathers made while it is open (a tied weight read by two modules, a block called
+    twice, a recompute's gather while the forward's waits): their gradients are summed in
+    the gathered dtype in the order autograd produces them, as a compiled graph sums the
+    uses of its one ``unshard``, and reduced once, when the walk has passed every one."""
 
     param: nn.Parameter
     reduce_args: tuple  # compshard::reduce_grad's arguments after the gradient
     gathered_dtype: torch.dtype  # a skipped gather's zero gradient is made in it, on ``device``
     device: torch.device
+    sink: torch.Tensor | None = None  # "fold": the gradient accumulated under no_sync, added before reducing
+    total: torch.Tensor | None = None  # the sum of the gradients received so far
+    waiting: int = 0  # its gathers the walk has not passed yet
+    contributed: bool = False  # a gather was passed with a gradient, or skipped (its zeros)
+    done: bool = False
+
+    @property
+    def fqn(self) -> str:
+        return self.reduce_args[3]
+
+
+@dataclass(eq=False)
+class _Pending:
+    """One uncompiled gather, on the stack of :class:`EagerReductions` until the walk passes it."""
+
+    reduction: _Reduction
     call: list[_Pending]  # the gathers of the same unit call (this one alone outside a call)
-    grad: torch.Tensor | None = None
-    ready: bool = False  # autograd has produced its whole gradient
+    ready: bool = False  # autograd has produced its whole gradient (or, passed as skipped, its zeros)
+    stacked: bool = True
     node: Callable[[], Any] = lambda: None  # weak reference to the gather's autograd node
 
     @property
@@ -74,44 +115,112 @@ class _Pending:
 
 @dataclass
 class EagerReductions:
-    """The uncompiled gathers of one sharded model awaiting their gradients, in gather
-    order; ``next`` is the index of the one to reduce next (set when a backward starts)."""
+    """The uncompiled gathers of one sharded model awaiting their gradients: a stack in
+    gather order, whose top is reduced as soon as its gradient is in (the *walk*)."""
 
-    pending: list[_Pending] = field(default_factory=list)
-    next: int | None = None
+    stack: list[_Pending] = field(default_factory=list)
+    open: dict[str, _Reduction] = field(default_factory=dict)  # parameter name -> its open reduction
     open_call: list[_Pending] | None = None  # the gathers of the unit call being entered
+    received_now: list[_Pending] = field(default_factory=list)  # gradients of this backward, for the check
+    in_backward: bool = False  # a backward has delivered a gradient; ``finish`` is queued at its end
+
+    def push(self, param: nn.Parameter, reduce_args: tuple, gathered_dtype: torch.dtype, device: torch.device,
+             call: list[_Pending], sink: torch.Tensor | None = None) -> _Pending:
+        """A new gather on top of the stack, sharing the parameter's open reduction."""
+        item = _Pending(_Reduction(param, reduce_args, gathered_dtype, device, sink), call)
+        call.append(item)
+        self._stack(item)
+        return item
+
+    def _stack(self, item: _Pending) -> None:
+        """Put ``item`` on top, its gradient joining its parameter's open reduction if there is one."""
+        own = item.reduction
+        reduction = self.open.setdefault(own.fqn, own)
+        if reduction is not own:
+            if own.sink is not None:
+                reduction.sink = own.sink if reduction.sink is None else reduction.sink + own.sink
+            item.reduction = reduction
+        reduction.waiting += 1
+        item.stacked = True
+        self.stack.append(item)
 
     def received(self, item: _Pending, grad: torch.Tensor) -> None:
-        item.grad = grad if item.grad is None else item.grad + grad
+        reduction = item.reduction
+        if grad.requires_grad:
+            raise RuntimeError(f"compshard: backward(create_graph=True) reached the gather of parameter "
+                               f"'{reduction.fqn}': its reduced gradient cannot be differentiated again; "
+                               "differentiate with respect to inputs or activations only (torch.autograd.grad), "
+                               "or use create_graph=False")
+        if not item.stacked:  # passed already (a retained graph's second backward): on the stack again
+            item.reduction = _Reduction(reduction.param, reduction.reduce_args, reduction.gathered_dtype,
+                                        reduction.device)
+            self._stack(item)
+            reduction = item.reduction
+        reduction.total = grad if reduction.total is None else reduction.total + grad
         item.ready = True
-        if self.next is None:  # the first gradient of this backward: reduce the rest at its end
-            self.next = len(self.pending) - 1
+        self.received_now.append(item)
+        if not self.in_backward:  # the first gradient of this backward: what is left is reduced at its end
+            self.in_backward = True
             torch.autograd.Variable._execution_engine.queue_callback(self.finish)
-        while self.next >= 0 and (self.pending[self.next].ready or self.pending[self.next].skipped):
-            self._reduce(self.pending[self.next])
-            self.next -= 1
+        while self.stack and (self.stack[-1].ready or self.stack[-1].node() is None):
+            self._pass(self.stack.pop())
 
     def finish(self) -> None:
-        """End of backward: reduce the gradients still waiting, and the skipped gathers'
-        zeros, in the same order. Gathers whose gradient has not come stay pending while
-        their autograd node lives (the forward of a later micro-batch, whose backward runs
-        later under a pipeline schedule); those of a call whose graph is gone (a forward
-        never differentiated) are dropped."""
-        for index in range(self.next, -1, -1):
-            if self.pending[index].ready or self.pending[index].skipped:
-                self._reduce(self.pending[index])
-        self.pending = [item for item in self.pending if not item.ready and item.node() is not None]
-        self.next = None
+        """End of backward: pass every gather left on the stack, top to bottom, reducing as
+        the walk does (the skipped gathers' zeros included), then check that every
+        gradient this backward produced was reduced. Gathers whose gradient has not come
+        stay while their autograd node lives (the forward of a later micro-batch, whose
+        backward runs later under a pipeline schedule), with a reduction of their own: the
+        gradients already in are reduced now."""
+        self.in_backward = False
+        kept: list[_Pending] = []
+        fresh: dict[str, _Reduction] = {}
+        for item in reversed(self.stack):
+            if item.ready or item.node() is None:
+                self._pass(item)
+                continue
+            old = item.reduction
+            item.reduction = fresh.setdefault(old.fqn, _Reduction(old.param, old.reduce_args, old.gathered_dtype,
+                                                                  old.device))
+            item.reduction.waiting += 1
+            self._leave(old)
+            kept.append(item)
+        self.stack = kept[::-1]
+        self.open = fresh
+        received, self.received_now = self.received_now, []
+        for item in received:
+            if not item.reduction.done or item.reduction.param.grad is None:
+                raise RuntimeError(f"compshard: the gradient of parameter '{item.reduction.fqn}' reached its "
+                                   "uncompiled gather but was not reduced into its .grad (a bug in compshard: "
+                                   "please report it with the model)")
+
+    def _pass(self, item: _Pending) -> None:
+        """The walk passes ``item``: its gradient is in, or it is skipped (zeros) or gone."""
+        item.stacked = False
+        if item.ready or item.skipped:
+            item.ready = True  # passed (a skipped gather's zeros included): its call takes part
+            item.reduction.contributed = True
+        self._leave(item.reduction)
+
+    def _leave(self, reduction: _Reduction) -> None:
+        reduction.waiting -= 1
+        if reduction.waiting:
+            return
+        if self.open.get(reduction.fqn) is reduction:
+            del self.open[reduction.fqn]
+        if reduction.contributed:
+            self._reduce(reduction)
 
     @staticmethod
-    def _reduce(item: _Pending) -> None:
-        grad = item.grad
+    def _reduce(reduction: _Reduction) -> None:
+        grad = reduction.total
         if grad is None:  # skipped: its contribution to the sum over ranks is zero
-            grad = torch.zeros(item.reduce_args[0], dtype=item.gathered_dtype, device=item.device)
-        local_grad = torch.ops.compshard.reduce_grad(grad, *item.reduce_args)
-        item.grad = None
-        item.ready = True  # reduced (a skipped gather's zeros included)
-        accumulate_grad(item.param, local_grad)
+            grad = torch.zeros(reduction.reduce_args[0], dtype=reduction.gathered_dtype, device=reduction.device)
+        if reduction.sink is not None:  # as the compiled "fold" backward adds it
+            grad = grad.to(reduction.sink.dtype) + reduction.sink
+        reduction.total = reduction.sink = None
+        reduction.done = True
+        accumulate_grad(reduction.param, torch.ops.compshard.reduce_grad(grad, *reduction.reduce_args))
 
 
 def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
@@ -158,13 +267,12 @@ def gather(param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reduct
         return torch.ops.compshard.unshard(*args)
     gathered_dtype = args.param_dtype if args.param_dtype is not None else shard.dtype
     call = reductions.open_call if reductions.open_call is not None else []
-    item = _Pending(param, (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
-                            shard.dtype, args.replicate_group), gathered_dtype, shard.device, call)
-    call.append(item)
+    sink = None
     if args.grad_sync == "fold":  # the gradient accumulated under no_sync joins this one's reduction
-        item.grad = args.grad_sink
+        sink = args.grad_sink
         args = args._replace(grad_sync="reduce", grad_sink=None)
-    reductions.pending.append(item)
+    item = reductions.push(param, (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
+                                   shard.dtype, args.replicate_group), gathered_dtype, shard.device, call, sink)
     return _DeferredGather.apply(shard, reductions, item, args)
 
 
@@ -215,6 +323,14 @@ def install_call_scope(unit: nn.Module, members: list[tuple[nn.Module, str]],
         module._compshard_unit = (unit,)  # a tuple: a module attribute would register a submodule
     unit.register_forward_pre_hook(functools.partial(_enter_call, unshard))
     unit.register_forward_hook(_exit_call, always_call=True)
+
+
+def recomputing() -> bool:
+    """Whether the model's code runs again inside a backward, where autograd records (a
+    reentrant checkpoint's recompute, a reversible block's reconstruction): its reads are
+    forward reads, though no forward hook counts them (the recompute may call a module's
+    ``forward`` function itself, as transformers' checkpointing does)."""
+    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
 
 
 def read(module: nn.Module, name: str, unshard: Callable[[nn.Module, str], torch.Tensor]) -> torch.Tensor:

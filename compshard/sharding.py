@@ -149,7 +149,8 @@ class _ForwardDepth:
 def _in_forward(module: nn.Module) -> bool:
     """Whether a read of ``module``'s parameters is inside the model's forward."""
     unit = getattr(module, "_compshard_unit", None)
-    return module._compshard_forward.depth > 0 or (unit is not None and bool(unit[0]._compshard_calls))
+    return (module._compshard_forward.depth > 0 or (unit is not None and bool(unit[0]._compshard_calls))
+            or eager_gather.recomputing())
 
 
 def _enter_forward(forward: _ForwardDepth, module: nn.Module, args: Any) -> None:

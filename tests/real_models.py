@@ -424,3 +424,107 @@ ZOO: dict[str, RealModel] = {m.name: m for m in (
               known_issue="num_batches_tracked.add_(1) on a buffer"),
     RealModel("repo-gpt", build_repo_gpt, "compshard.models.GPT"),
 )}
+
+
+# ------------------------------------------------------- parameters gathered during a backward
+
+
+class ReentrantCheckpointMLP(nn.Module):
+    """``Linear(8, 16)``, two blocks each run through ``checkpoint(..., use_reentrant=True)``,
+    then a ``Linear(16, 4)`` head: the blocks' forward runs without autograd and their
+    parameters are gathered again by the recompute inside the backward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        h = self.inp(x)
+        for block in self.blocks:
+            h = checkpoint(block, h, use_reentrant=True)
+        return self.head(h).square().mean()
+
+
+class _ReversibleCoupling(torch.autograd.Function):
+    """``y1 = x1 + f(x2)``, ``y2 = x2 + g(y1)`` without saving the inputs: the backward
+    reconstructs them from the outputs and runs ``g`` and ``f`` again (reading their
+    parameters) under a nested ``torch.autograd.backward``, as RevNet and Reformer do."""
+
+    @staticmethod
+    def forward(ctx, x1: torch.Tensor, x2: torch.Tensor, block: nn.Module) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx.block = block
+        y1 = x1 + block.f(x2)
+        y2 = x2 + block.g(y1)
+        ctx.save_for_backward(y1, y2)
+        return y1, y2
+
+    @staticmethod
+    def backward(ctx, dy1: torch.Tensor, dy2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        y1, y2 = (y.detach() for y in ctx.saved_tensors)
+        with torch.enable_grad():
+            y1.requires_grad_()
+            g = ctx.block.g(y1)
+            torch.autograd.backward(g, dy2)
+        dy1 = dy1 + y1.grad
+        with torch.enable_grad():
+            x2 = (y2 - g.detach()).requires_grad_()
+            torch.autograd.backward(ctx.block.f(x2), dy1)
+        return dy1, dy2 + x2.grad, None
+
+
+class ReversibleBlock(nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.f = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+        self.g = nn.Sequential(nn.Linear(width, width), nn.Tanh())
+
+    def forward(self, x1: torch.Tensor, x2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return _ReversibleCoupling.apply(x1, x2, self)
+
+
+class RevNet(nn.Module):
+    """``Linear(8, 16)``, two reversible blocks on the halves of the width, ``Linear(16, 4)``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList(ReversibleBlock(8) for _ in range(2))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x1, x2 = self.inp(x).chunk(2, dim=-1)
+        for block in self.blocks:
+            x1, x2 = block(x1, x2)
+        return self.head(torch.cat([x1, x2], dim=-1)).square().mean()
+
+
+def build_reentrant_checkpoint_mlp(rows: int = BATCH):
+    torch.manual_seed(0)
+    return ReentrantCheckpointMLP(), (torch.randn(rows, 8, generator=_generator()),)
+
+
+def build_revnet(rows: int = BATCH):
+    torch.manual_seed(0)
+    return RevNet(), (torch.randn(rows, 8, generator=_generator()),)
+
+
+def build_llama_reentrant_checkpointing(rows: int = BATCH):
+    model, batch = build_llama(rows)
+    model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    assert model.model.is_gradient_checkpointing
+    return model, batch
+
+
+ZOO.update({m.name: m for m in (
+    RealModel("reentrant-checkpoint-mlp", build_reentrant_checkpoint_mlp, "torch checkpoint(use_reentrant=True)",
+              known_issue="parameters gathered again by the recompute inside the backward"),
+    RealModel("llama-reentrant-ckpt", build_llama_reentrant_checkpointing,
+              "decoder LM, HF gradient checkpointing (use_reentrant=True)",
+              known_issue="every layer's parameters gathered inside the backward"),
+    RealModel("revnet", build_revnet, "reversible blocks (RevNet coupling)",
+              known_issue="inputs reconstructed and parameters read again in the backward"),
+)})
