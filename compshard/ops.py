@@ -470,9 +470,9 @@ def sum_rows(rows: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | No
     ``Tensor.to`` does); eager and compiled reductions alike
     (:func:`sum_rows_into_shards` unpacks each parameter's columns through it). Two
     rows: one ``add``, much cheaper on CPU than ``sum(0)``, which wins from 3 rows on (a
-    list is stacked for it, the same bits as its rows in one tensor). The values are the same;
-    only the sign of a zero can differ (``-0.0 + -0.0`` is ``-0.0``, as a reduce-scatter
-    gives, where ``sum(0)`` gives ``+0.0``)."""
+    list is stacked for it, the same bits as its rows in one tensor). The values are the
+    same; only the sign of a zero can differ (``-0.0 + -0.0`` is ``-0.0``, as a
+    reduce-scatter gives, where ``sum(0)`` gives ``+0.0``)."""
     if len(rows) == 2:
         return torch.add(rows[0], rows[1], out=out)
     total = (rows if isinstance(rows, torch.Tensor) else torch.stack(list(rows))).sum(0)  # (out= would sum in its dtype)

@@ -172,12 +172,12 @@ def test_block_raises_price_each_block_as_a_walk_of_the_whole_forward_does():
     from torch._dynamo.backends.common import aot_autograd
     from torch._functorch.partitioners import min_cut_rematerialization_partition
 
-    recompute = importlib.import_module("compshard.passes.recompute")
+    recompute = importlib.import_module("compshard.passes.recompute_model")
     compared = []
 
     def partition(joint, joint_inputs, **kwargs):
         raises = recompute.block_raises(joint.graph, "none", frozenset())
-        policy = recompute._policy(joint.graph)
+        policy = recompute.policy_for(joint.graph)
         eager = policy.plan({}, recompute.Level.SAVE)
         for block, options in raises.raises.items():
             for option in options:

@@ -53,8 +53,8 @@ from compshard.passes.fx_utils import (
     FakeValues, compshard_ops, is_op, is_view, members_by_bucket, node_order, producer, reduce_grad_args,
     scheduled_kind, start_gathers_at_waits, unshard_args,
 )
-from compshard.passes.lower_reduce_grad import lower_reduce_grad, reduced_in_bucket
-from compshard.passes.lower_unshard import gathered_remotely, lower_unshard
+from compshard.passes.gather_lowering import gathered_remotely, lower_gathers
+from compshard.passes.reduce_lowering import lower_reductions, reduced_in_bucket
 from compshard.passes.memory_model import backend_scratch_bytes, live_bytes, storages
 from compshard.rank_exchange import exchange_across_ranks
 
@@ -76,9 +76,9 @@ def _lowered_copy(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, plan: 
     started at its wait. Only measured: the same op on the same shapes is traced once."""
     trial = _copy(graph)
     fake_values = FakeValues()
-    lower_unshard(trial, ctx, buckets, _coalescing(plan), fake_values=fake_values)
+    lower_gathers(trial, ctx, buckets, _coalescing(plan), fake_values=fake_values)
     if ctx.graph == "backward":
-        lower_reduce_grad(trial, ctx, buckets, _coalescing(plan), fake_values=fake_values)
+        lower_reductions(trial, ctx, buckets, _coalescing(plan), fake_values=fake_values)
     start_gathers_at_waits(trial)
     return trial
 

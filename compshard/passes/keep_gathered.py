@@ -45,7 +45,7 @@ from compshard.cost_model import collective_seconds, costs_for
 from compshard.ops import resolve_group
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op, unshard_args, unshard_group
-from compshard.passes.recompute import BlockRaise, BlockRaises, Level, block_raises
+from compshard.passes.recompute_model import BlockRaise, BlockRaises, Level, block_raises
 from compshard.rank_exchange import exchange_across_ranks
 
 __all__ = ["keep_gathered", "smallest_within"]
