@@ -48,55 +48,60 @@ from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 from harness import COMPSHARD_SYSTEMS, SYSTEMS, compute_only, progress, start_workload  # noqa: E402
 
 
+def profile_system(name: str, wrap, reference: torch.nn.Module, batch: tuple[torch.Tensor, ...],
+                   device: torch.device, args: argparse.Namespace) -> None:
+    """Time one system's phases over ``--steps`` steps (after ``--warmup``), then profile one."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    torch._dynamo.reset()
+    model = copy.deepcopy(reference).to(device)
+    step_model = wrap(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
+
+    def step(timed: bool) -> None:
+        marks = [time.perf_counter()]
+        loss = step_model(*batch)
+        sync()
+        marks.append(time.perf_counter())
+        loss.backward()
+        sync()
+        marks.append(time.perf_counter())
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sync()
+        marks.append(time.perf_counter())
+        if timed:
+            for phase, start, end in zip(phases, marks, marks[1:]):
+                phases[phase].append(end - start)
+
+    for _ in range(args.warmup):
+        step(timed=False)
+    for _ in range(args.steps):
+        step(timed=True)
+    medians = {phase: statistics.median(times) * 1e3 for phase, times in phases.items()}
+    progress(f"{name}: " + ", ".join(f"{phase} {ms:.1f} ms" for phase, ms in medians.items())
+             + f", total {sum(medians.values()):.1f} ms")
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        step(timed=False)
+    events = prof.key_averages()
+    device_us = sum(e.self_device_time_total for e in events if e.self_device_time_total > 0)
+    progress(f"{name}: one profiled step, device kernels {device_us / 1e3:.1f} ms in all")
+    progress(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
+    if device.type == "cuda":
+        progress(events.table(sort_by="self_cuda_time_total", row_limit=args.top))
+
+
 def main(args: argparse.Namespace) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.fake_world)
     _, _, device, _, reference, batch = start_workload(args)
     param_dtype = {"fp32": None, "bf16": torch.bfloat16}[args.dtype]
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     wraps = {"compute-only": functools.partial(compute_only, param_dtype=param_dtype)}
     for system in args.systems:
         options = args.options if system in COMPSHARD_SYSTEMS else {}
         wraps[system] = functools.partial(SYSTEMS[system], param_dtype=param_dtype, **options)
     for name, wrap in wraps.items():
-        torch._dynamo.reset()
-        model = copy.deepcopy(reference).to(device)
-        step_model = wrap(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        phases: dict[str, list[float]] = {"forward": [], "backward": [], "optimizer": []}
-
-        def step(timed: bool) -> None:
-            marks = [time.perf_counter()]
-            loss = step_model(*batch)
-            sync()
-            marks.append(time.perf_counter())
-            loss.backward()
-            sync()
-            marks.append(time.perf_counter())
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            sync()
-            marks.append(time.perf_counter())
-            if timed:
-                for phase, start, end in zip(phases, marks, marks[1:]):
-                    phases[phase].append(end - start)
-
-        for _ in range(3):
-            step(timed=False)
-        for _ in range(10):
-            step(timed=True)
-        medians = {phase: statistics.median(times) * 1e3 for phase, times in phases.items()}
-        progress(f"{name}: " + ", ".join(f"{phase} {ms:.1f} ms" for phase, ms in medians.items())
-                 + f", total {sum(medians.values()):.1f} ms")
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-        with profile(activities=activities) as prof:
-            step(timed=False)
-        events = prof.key_averages()
-        device_us = sum(e.self_device_time_total for e in events if e.self_device_time_total > 0)
-        progress(f"{name}: one profiled step, device kernels {device_us / 1e3:.1f} ms in all")
-        progress(events.table(sort_by="self_cpu_time_total", row_limit=args.top))
-        if device.type == "cuda":
-            progress(events.table(sort_by="self_cuda_time_total", row_limit=args.top))
-        del step_model, model, opt
+        profile_system(name, wrap, reference, batch, device, args)
     dist.destroy_process_group()
 
 
