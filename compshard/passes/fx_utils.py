@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import operator
 import re
+from dataclasses import dataclass, field
 from typing import Any, Callable
 
 import torch
@@ -272,32 +273,56 @@ def collective_group(graph: fx.Graph) -> str | None:
     return None
 
 
-def collective_groups(graph: fx.Graph, kind: str) -> list[dict]:
+@dataclass
+class CollectiveGroup:
+    """One lowered collective's nodes: its pack nodes, its start, its wait (None until the
+    lowering has placed it) and its unpack nodes, in graph order."""
+
+    start: fx.Node
+    wait: fx.Node | None = None
+    pack: list[fx.Node] = field(default_factory=list)
+    unpack: list[fx.Node] = field(default_factory=list)
+
+    @property
+    def issued(self) -> fx.Node:
+        """The first node of the collective: its first pack node, else its start."""
+        return self.pack[0] if self.pack else self.start
+
+
+def collective_groups(graph: fx.Graph, kind: str) -> list[CollectiveGroup]:
     """Each collective of ``kind`` with its pack nodes, start, wait and unpack nodes, in
-    order of the start."""
-    groups: dict[str, dict] = {}
+    graph order of each collective's first node."""
+    nodes: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
         meta = node_meta(node)
-        if not meta.collective:
+        if meta.collective:
+            nodes.setdefault(meta.collective, []).append(node)
+    groups = []
+    for members in nodes.values():
+        starts = [n for n in members if node_meta(n).kind == kind]
+        if not starts:
             continue
-        group = groups.setdefault(meta.collective, {"pack": [], "unpack": [], "start": None, "wait": None})
-        if meta.kind == kind:
-            group["start"] = node
-        elif meta.kind in ("pack", "unpack"):
-            group[meta.kind].append(node)
-        elif meta.kind == "wait":
-            group["wait"] = node
-    return [g for g in groups.values() if g["start"] is not None]
+        group = CollectiveGroup(starts[-1])
+        for node in members:
+            kind_of = node_meta(node).kind
+            if kind_of == "pack":
+                group.pack.append(node)
+            elif kind_of == "unpack":
+                group.unpack.append(node)
+            elif kind_of == "wait":
+                group.wait = node
+        groups.append(group)
+    return groups
 
 
-def start_gathers_at_waits(graph: fx.Graph) -> list[dict]:
+def start_gathers_at_waits(graph: fx.Graph) -> list[CollectiveGroup]:
     """Move every all-gather's pack and start to just before its wait (nothing in flight
     at once); return the gathers in order of their waits."""
     order = node_order(graph)
-    gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: order[g["wait"]])
+    gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: order[g.wait])
     for gather in gathers:
-        for node in gather["pack"] + [gather["start"]]:
-            gather["wait"].prepend(node)
+        for node in gather.pack + [gather.start]:
+            gather.wait.prepend(node)
     return gathers
 
 

@@ -36,18 +36,18 @@ from torch import fx
 from compshard.compile_plan import MiB, Prefetch, node_meta
 from compshard.sizes import nbytes
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import aten, is_op, is_view, scheduled_kind, start_gathers_at_waits
+from compshard.passes.fx_utils import CollectiveGroup, aten, is_op, is_view, scheduled_kind, start_gathers_at_waits
 from compshard.passes.memory_model import LiveProfile, backend_scratch_bytes
 
 
-def _inflight_bytes(gathers: list[dict], index: int, start_position: int, order: dict) -> int:
+def _inflight_bytes(gathers: list[CollectiveGroup], index: int, start_position: int, order: dict) -> int:
     """Bytes in flight if gather ``index`` ran from ``start_position`` to its wait: its own
     plus every other gather whose interval meets that span (an upper bound)."""
-    wait_position = order[gathers[index]["wait"]]
-    inflight = node_meta(gathers[index]["start"]).bytes
+    wait_position = order[gathers[index].wait]
+    inflight = node_meta(gathers[index].start).bytes
     for k, other in enumerate(gathers):
-        if k != index and order[other["start"]] < wait_position and order[other["wait"]] >= start_position:
-            inflight += node_meta(other["start"]).bytes
+        if k != index and order[other.start] < wait_position and order[other.wait] >= start_position:
+            inflight += node_meta(other.start).bytes
     return inflight
 
 
@@ -67,24 +67,24 @@ def _compute_prefix(graph: fx.Graph) -> list[float]:
     return prefix
 
 
-def _auto_start(gathers: list[dict], i: int, order: dict, during: list[int], prefix: list[float],
+def _auto_start(gathers: list[CollectiveGroup], i: int, order: dict, during: list[int], prefix: list[float],
                 peak: int, bound: float, earliest: int) -> int:
     """The index gather ``i``'s pack goes to: walking back from where it is issued now,
     the nearest position that hides all of its estimated time, else the one that hides
     the most; never so early that its bytes lift ``peak`` or the in-flight bytes pass
     ``bound`` anywhere on the way."""
     gather = gathers[i]
-    issued_at = order[(gather["pack"] + [gather["start"]])[0]]
-    wait_position = order[gather["wait"]]
-    need = _seconds(gather["start"])
-    held = sum(nbytes(n.meta.get("val")) for n in gather["pack"] if not is_view(n)) \
-        + backend_scratch_bytes(gather["start"])  # the output (filled in place) and the backend's own
+    issued_at = order[gather.issued]
+    wait_position = order[gather.wait]
+    need = _seconds(gather.start)
+    held = sum(nbytes(n.meta.get("val")) for n in gather.pack if not is_view(n)) \
+        + backend_scratch_bytes(gather.start)  # the output (filled in place) and the backend's own
     best, best_hidden, highest = issued_at, 0.0, 0
     for position in range(issued_at - 1, earliest - 1, -1):
         highest = max(highest, during[position])
         if highest + held > peak or _inflight_bytes(gathers, i, position, order) > bound:
             break
-        queued = sum(_seconds(g["start"]) for g in gathers[:i] if order[g["wait"]] >= position)
+        queued = sum(_seconds(g.start) for g in gathers[:i] if order[g.wait] >= position)
         hidden = min(need, prefix[wait_position] - prefix[position] - queued)
         if hidden > best_hidden * (1 + 1e-6):
             best, best_hidden = position, hidden
@@ -93,13 +93,13 @@ def _auto_start(gathers: list[dict], i: int, order: dict, during: list[int], pre
     return best
 
 
-def _fixed_start(gathers: list[dict], i: int, order: dict, first: int, distance: int, bound: float) -> int:
+def _fixed_start(gathers: list[CollectiveGroup], i: int, order: dict, first: int, distance: int, bound: float) -> int:
     """The index gather ``i``'s pack goes to for ``distance`` all-gathers ahead (just after
     the wait of gather ``i - distance``), shortened until the in-flight bytes fit ``bound``."""
-    issued_at = order[(gathers[i]["pack"] + [gathers[i]["start"]])[0]]
+    issued_at = order[gathers[i].issued]
     best = issued_at
     for d in range(1, min(distance, i + 1) + 1):
-        position = order[gathers[i - d]["wait"]] + 1 if i - d >= 0 else first
+        position = order[gathers[i - d].wait] + 1 if i - d >= 0 else first
         if position >= issued_at or _inflight_bytes(gathers, i, position, order) > bound:
             break
         best = position
@@ -136,18 +136,18 @@ def prefetch(graph: fx.Graph, ctx: PassContext) -> Prefetch:
     distances = {}
     placed: set[fx.Node] = set()
     for i, gather in enumerate(gathers):
-        moving = gather["pack"] + [gather["start"]]
+        moving = gather.pack + [gather.start]
         issued_at = order[moving[0]]
         first = order[last_input] + 1
-        earliest = order[gathers[i - 1]["start"]] + 1 if i else first  # keep issue order = order of use
+        earliest = order[gathers[i - 1].start] + 1 if i else first  # keep issue order = order of use
         if ctx.options.prefetch == "auto":
             position = _auto_start(gathers, i, order, profile.during, prefix, peak, bound, earliest)
         else:
             position = _fixed_start(gathers, i, order, first, ctx.options.prefetch, bound)
         # all-gathers ahead: across how many others' uses the gather now runs (0: it starts at its wait)
         distance = 0 if position >= issued_at else i - max(
-            (j for j in range(i) if order[gathers[j]["wait"]] < position), default=-1)
-        for bucket in node_meta(gather["start"]).buckets:
+            (j for j in range(i) if order[gathers[j].wait] < position), default=-1)
+        for bucket in node_meta(gather.start).buckets:
             distances[bucket] = distance
         if position < issued_at:
             cursor = nodes[position - 1]
