@@ -18,12 +18,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any, Iterator, Literal
 
-__all__ = ["GraphKind", "Bucket", "BucketPlan", "MemoryBudget", "Coalescing", "Prefetch", "RecomputePlan", "GraphPlan",
-           "CompilePlan", "NodeMeta", "node_meta", "set_node_meta", "ScheduleError", "COLLECTIVE_KINDS", "MiB"]
+__all__ = ["GraphKind", "ScheduledKind", "Bucket", "BucketPlan", "MemoryBudget", "Coalescing", "Prefetch",
+           "RecomputePlan", "GraphPlan", "CompilePlan", "NodeMeta", "node_meta", "set_node_meta",
+           "ScheduleError", "COLLECTIVE_KINDS", "MiB"]
 
 MiB = 2**20  # the unit of the ``*_mb`` options and of every size compshard reports
 
 GraphKind = Literal["dynamo", "joint", "forward", "backward", "inference"]
+# What a scheduled node does (NodeMeta.kind): a collective's start, its wait, a free, or a
+# copy into (pack) or out of (unpack) a collective's buffer.
+ScheduledKind = Literal["all_gather", "reduce_scatter", "all_reduce", "wait", "free", "pack", "unpack"]
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the kinds of collective starts
 
 
@@ -230,7 +234,7 @@ class NodeMeta:
     ``stashed_val``: this rank's own ``meta["val"]`` while ``agree_shapes`` holds a stand-in.
     """
 
-    kind: str | None = None
+    kind: ScheduledKind | None = None
     params: tuple[str, ...] = ()
     bytes: int = 0
     collective: str | None = None

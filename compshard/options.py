@@ -7,7 +7,7 @@ with an error that names the option and what is allowed, before anything is comp
 from __future__ import annotations
 
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterable, Literal, Mapping, get_args
+from typing import Any, Iterable, Literal, Mapping, Sequence, get_args
 
 import torch
 
@@ -70,13 +70,13 @@ class CompileOptions:
     """
 
     codegen: Codegen = "auto"
-    buckets: Any = "auto"
+    buckets: Literal["auto", "none"] | float | Sequence[str] = "auto"
     bucket_mb: float = 32.0
-    coalesce: str = "auto"
-    prefetch: Any = "auto"
+    coalesce: Literal["auto", "none"] = "auto"
+    prefetch: Literal["auto"] | int = "auto"
     max_inflight_mb: float = 256.0
-    memory_budget_mb: float | str | None = None
-    recompute: Any = "none"
+    memory_budget_mb: float | Literal["auto"] | None = None
+    recompute: Literal["none", "full", "selective"] | Mapping[str, float] = "none"
     check_schedule: bool = True
     verify: bool = False
 
