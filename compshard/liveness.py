@@ -31,6 +31,7 @@ import contextlib
 import sys
 import threading
 import time
+import types
 from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
@@ -39,7 +40,7 @@ import torch.distributed as dist
 from compshard.compile_plan import ScheduleError
 
 __all__ = ["BEAT_SECONDS", "STALE_SECONDS", "Failure", "RankFailed", "PeerWatch", "blocked", "failures",
-           "publish_failure", "raise_published", "start"]
+           "publish_error", "publish_failure", "raise_published", "start"]
 
 BEAT_SECONDS = 0.5
 # No beat for this long: the rank is dead or hung. Well above a beat's delay on a busy
@@ -117,7 +118,8 @@ def start() -> None:
         atexit.register(_at_exit)
         previous_hook = sys.excepthook
 
-        def publish_then_report(kind: type, value: BaseException, traceback: object) -> None:
+        def publish_then_report(kind: type[BaseException], value: BaseException,
+                                traceback: types.TracebackType | None) -> None:
             publish_failure(f"{kind.__name__}: {value}", "error")
             previous_hook(kind, value, traceback)
 
@@ -152,11 +154,14 @@ def publish_failure(message: str, kind: str) -> None:
         state.store.set(f"{_FAILED_KEY}{state.rank}", f"{kind}|{message}")
 
 
-def failure_kind(error: BaseException) -> str:
-    """How to publish ``error``, raised by a wait on this rank."""
+def publish_error(error: BaseException) -> None:
+    """Publish ``error``, raised by a wait on this rank (or while it compiled), as its
+    failure: its type named unless it is compshard's own message."""
+    message = str(error) if str(error).startswith("compshard:") else f"{type(error).__name__}: {error}"
     if isinstance(error, ScheduleError):
-        return "schedule"
-    return "peer" if isinstance(error, RankFailed) else "error"
+        publish_failure(message, "schedule")
+    else:
+        publish_failure(message, "peer" if isinstance(error, RankFailed) else "error")
 
 
 @contextlib.contextmanager
@@ -198,7 +203,11 @@ def _beat_forever() -> None:
 
 
 def _at_exit() -> None:
-    publish_failure("exited", "exited")
+    """Publish that this rank exited, waiting at most a second: a store whose host is gone
+    must not hold the process at its exit."""
+    publishing = threading.Thread(target=publish_failure, args=("exited", "exited"), daemon=True)
+    publishing.start()
+    publishing.join(timeout=1.0)
 
 
 def failures(store: dist.Store, ranks: list[int]) -> list[Failure]:
@@ -219,8 +228,8 @@ def raise_published(error: BaseException) -> None:
     stops within :data:`STALE_SECONDS` (a killed rank publishes nothing). Return when no
     rank failed."""
     state = _state
-    if state is None:
-        return
+    if state is None or isinstance(error, (RankFailed, ScheduleError)) or str(error).startswith("compshard:"):
+        return  # compshard's own errors name their cause already
     others = [rank for rank in range(dist.get_world_size()) if rank != state.rank]
     watch = PeerWatch(state.store, interval=0.0)
     deadline = time.monotonic() + (STALE_SECONDS + 2 * BEAT_SECONDS if _is_transport_error(error) else 0.0)

@@ -59,7 +59,7 @@ def exchange_across_ranks(namespace: str, group_name: str, value: object, what: 
     try:
         _wait_for_everyone(store, default_store, group, group_name, f"{what} (#{sequence} on this process group)")
     except BaseException as error:
-        liveness.publish_failure(str(error), liveness.failure_kind(error))
+        liveness.publish_error(error)
         raise
     return sequence, [pickle.loads(store.get(str(r))) for r in range(world_size)]
 

@@ -75,7 +75,7 @@ __all__ = ["SLOT_BYTES", "SPIN_SECONDS", "WAIT_SECONDS", "SharedRows", "held_byt
 
 SLOT_BYTES = 1 << 18  # 256 KiB: two a rank keep the memory held small beside the gathered buffers
 SPIN_SECONDS = 2e-3  # ranks issue the same collectives, so most waits end within this
-WAIT_SECONDS = 300.0
+WAIT_SECONDS = 360.0  # past the compile-time exchange's 300 s: its ScheduleError is published first, never lost
 FILE_PREFIX = "/dev/shm/compshard-"  # then rank 0's process id and a random part
 # A rank's header, int64 words: its counters, heartbeat and state, and what each slot holds
 _READY, _READ, _BEAT, _STATE = range(4)
@@ -205,7 +205,7 @@ class SharedRows:
                 self._header[self.rank, _READ] = round_
         except BaseException as error:
             self._failed = error
-            liveness.publish_failure(str(error), liveness.failure_kind(error))
+            liveness.publish_error(error)
             raise
 
     def _check_same_exchange(self, peer: int, described: int, round_: int) -> None:
@@ -260,7 +260,7 @@ class SharedRows:
             raise failure.error(f"waited for it in shared-memory round {value}")
 
 
-def _describe(piece: tuple[int, int, int]) -> str:
+def _describe(piece: tuple[int, ...]) -> str:  # (kind, row bytes, offset)
     kind, row_bytes, start = piece
     if kind not in _KIND_NAMES:
         return "nothing"
@@ -336,14 +336,15 @@ def _open(group: dist.ProcessGroup) -> SharedRows | None:
     nbytes = SharedRows.nbytes(world_size)
     if not _agreed(group, usable_here(world_size)):
         return None
-    file: list[object] = [None]
+    file: list[tuple[str, bytes] | None] = [None]  # (path, token), rank 0's
     storage = None
     try:
         if rank == 0:  # created and stamped before any other rank looks for it
-            file = [(f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}", uuid.uuid4().bytes)]
-            storage = _map(*file[0], nbytes, create=True)
+            path, token = f"{FILE_PREFIX}{os.getpid()}-{uuid.uuid4().hex}", uuid.uuid4().bytes
+            file = [(path, token)]
+            storage = _map(path, token, nbytes, create=True)
         dist.broadcast_object_list(file, src=dist.get_global_rank(group, 0), group=group)
-        if rank != 0:
+        if rank != 0 and file[0] is not None:
             storage = _map(*file[0], nbytes, create=False)
         mapped: list[object] = [None] * world_size  # every rank has mapped the file (or failed) once this returns
         dist.all_gather_object(mapped, storage is not None, group=group)
@@ -351,7 +352,7 @@ def _open(group: dist.ProcessGroup) -> SharedRows | None:
         if file[0] is not None:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(file[0][0])
-    if not all(mapped):
+    if not all(mapped) or storage is None:
         return None
     rows = SharedRows(storage, rank, [dist.get_global_rank(group, r) for r in range(world_size)], group.group_name)
     liveness.add_sink(weakref.ref(rows))
