@@ -73,7 +73,7 @@ def _total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
     replicated = []
     for grad in grads:
         dims = _sharded_dims(grad)
-        if dims:
+        if isinstance(grad, DTensor) and dims:
             by_layout.setdefault((grad.device_mesh, dims), []).append(_local(grad))
         else:
             replicated.append(_local(grad))
