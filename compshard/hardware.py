@@ -14,7 +14,8 @@ group:
   then bounds every step of the ring.
 
 The efficiencies are assumptions, stated here and not fitted to any measurement that
-``compshard.plan`` is compared against (see the README's validation).
+``compshard.plan`` is compared against (see
+``benchmarks/results/plan_validation_cpu2core_202611.md``).
 
 ``"measured"`` (:func:`measure`) times what ``compshard.shard`` calibrates, on the current
 default process group (collective: every rank calls it) or, with no process group, this

@@ -26,9 +26,8 @@ When a sharded stage gathers its parameters is the ``reshard`` option (see
   hold no collective), and each is freed as its gradient is taken for the end-of-step
   reduction. The stage's full parameters are held for the whole step (``dp`` times its
   shards), as FSDP2 holds a root unit under torch's pipeline schedules; nothing is
-  gathered while computing. The default: on bench_pipeline's 2 x 2 GPT runs it was the
-  faster mode by a third, for -1 to 6% more peak memory (README, "Pipeline
-  parallelism").
+  gathered while computing. The default: the faster mode where the stage's parameters
+  fit, at little more peak memory (``benchmarks/results/pipeline_cpu2core_202611.md``).
 - ``"per_microbatch"``: each of the ``M`` micro-batches gathers what its forward reads,
   and again what its backward reads (compiled: in buckets, prefetched and freed after
   their last use, as the compshard backend schedules any model; eager: one blocking
