@@ -168,12 +168,20 @@ def publish_error(error: BaseException) -> None:
 def blocked(group_name: str) -> Iterator[None]:
     """Within the block this thread waits in a collective of ``group_name``; a wait of over
     :data:`BLOCKED_SECONDS` shows in the heartbeat."""
-    thread = threading.get_ident()
-    _blocked[thread] = (group_name, time.monotonic())
+    block(group_name)
     try:
         yield
     finally:
-        _blocked.pop(thread, None)
+        unblock()
+
+
+def block(group_name: str) -> None:
+    """:func:`blocked`'s start, for a wait loop that enters it only once it is slow."""
+    _blocked[threading.get_ident()] = (group_name, time.monotonic())
+
+
+def unblock() -> None:
+    _blocked.pop(threading.get_ident(), None)
 
 
 def _blocked_on() -> str:

@@ -196,7 +196,8 @@ class SharedRows:
                     self._wait(peer, _READ, round_ - 2)
                 fill(self._slots[self.rank, slot], start, length)
                 described = _SLOT_WORDS + 3 * slot
-                self._header[self.rank, described:described + 3] = (kind, row_bytes, start)
+                header = self._header[self.rank]
+                header[described], header[described + 1], header[described + 2] = kind, row_bytes, start
                 self._header[self.rank, _READY] = round_
                 for peer in self._peers:
                     self._wait(peer, _READY, round_)
@@ -210,15 +211,17 @@ class SharedRows:
 
     def _check_same_exchange(self, peer: int, described: int, round_: int) -> None:
         """Raise unless ``peer`` put into its slot of ``round_`` the same piece of the same
-        exchange as this rank."""
-        mine, theirs = (tuple(int(word) for word in self._header[r, described:described + 3])
-                        for r in (self.rank, peer))
-        if mine != theirs:
-            raise RuntimeError(
-                f"compshard: the ranks issued different collectives: in shared-memory round {round_} rank "
-                f"{self.ranks[peer]} exchanged {_describe(theirs)} where rank {self.ranks[self.rank]} exchanged "
-                f"{_describe(mine)} (a rank that went on after an exception in the middle of a step, skipping the "
-                "rest of its collectives, does this)")
+        exchange as this rank (scalar reads: this runs every round)."""
+        mine, theirs = self._header[self.rank], self._header[peer]
+        if (mine[described] == theirs[described] and mine[described + 1] == theirs[described + 1]
+                and mine[described + 2] == theirs[described + 2]):
+            return
+        pieces = [tuple(int(word) for word in header[described:described + 3]) for header in (mine, theirs)]
+        raise RuntimeError(
+            f"compshard: the ranks issued different collectives: in shared-memory round {round_} rank "
+            f"{self.ranks[peer]} exchanged {_describe(pieces[1])} where rank {self.ranks[self.rank]} exchanged "
+            f"{_describe(pieces[0])} (a rank that went on after an exception in the middle of a step, skipping the "
+            "rest of its collectives, does this)")
 
     def _wait(self, peer: int, counter: int, value: int) -> None:
         """Until ``peer``'s counter reaches ``value``: polling (yielding the core) for up to
@@ -229,15 +232,17 @@ class SharedRows:
         started = time.monotonic()
         pause = 50e-6
         beat, beat_seen = self._header[peer, _BEAT], started
-        with contextlib.ExitStack() as slow:
+        slow = False
+        try:
             while self._header[peer, counter] < value:
                 now = time.monotonic()
                 waited = now - started
                 if waited < SPIN_SECONDS:
                     os.sched_yield()
                     continue
-                if pause == 50e-6:  # the first sleep: the heartbeat says this thread waits in a collective
-                    slow.enter_context(liveness.blocked(self.group_name))
+                if not slow:  # from the first sleep on, the heartbeat says this thread waits in a collective
+                    slow = True
+                    liveness.block(self.group_name)
                 self._raise_if_stopped(peer, value)
                 if self._header[peer, _BEAT] != beat:
                     beat, beat_seen = self._header[peer, _BEAT], now
@@ -251,6 +256,9 @@ class SharedRows:
                         f"round {value} within {self.wait_seconds:g} s (the ranks issued different collectives?)")
                 time.sleep(pause)
                 pause = min(2 * pause, 2e-4)
+        finally:
+            if slow:
+                liveness.unblock()
 
     def _raise_if_stopped(self, peer: int, value: int) -> None:
         state = int(self._header[peer, _STATE])

@@ -105,7 +105,7 @@ class Run:
     fault: float | None  # when the fault was injected
     left_in_shm: list[str]  # shared-memory files of the run's processes still there
 
-    def ended_in_time(self) -> list[str]:
+    def late_ranks(self) -> list[str]:
         """The ranks that ended more than FAULT_SECONDS after the fault, as complaints."""
         assert self.fault is not None, "the fault was not injected"
         late = []
@@ -152,7 +152,7 @@ def _survivor(run: Run, shared: bool) -> Outcome:
     outcome = run.outcomes[0]
     assert outcome is not None, f"rank 0 ended without an outcome: {run.stderr[0][-2000:]}"
     assert outcome.error is not None, f"rank 0 did not fail: {outcome.result}"
-    assert not run.ended_in_time(), run.ended_in_time()
+    assert not run.late_ranks(), run.late_ranks()
     assert outcome.shared == shared
     assert not run.left_in_shm
     return outcome
@@ -246,7 +246,7 @@ def test_a_rank_whose_batch_changes_raises_the_schedule_error_everywhere(shared)
     for rank, outcome in enumerate(run.outcomes):
         assert outcome is not None and outcome.error is not None, f"rank {rank}: {outcome} {run.stderr[rank][-2000:]}"
         assert "ScheduleError: " in outcome.error and "dynamic=True" in outcome.error, outcome.error
-    assert not run.ended_in_time(), run.ended_in_time()
+    assert not run.late_ranks(), run.late_ranks()
     assert not run.left_in_shm
 
 
@@ -275,7 +275,7 @@ def test_a_rank_that_skips_a_batch_ends_in_a_clear_error(shared):
     said = [outcome.error if outcome is not None else stderr for outcome, stderr in zip(run.outcomes, run.stderr)]
     assert all(said), said  # every rank raised, or aborted saying why
     assert any("different collectives" in text or "collective mismatch" in text for text in said), said
-    assert not run.ended_in_time(), run.ended_in_time()
+    assert not run.late_ranks(), run.late_ranks()
     assert not run.left_in_shm
 
 
