@@ -14,7 +14,8 @@ rank publishes, from the moment it shards a model or first exchanges:
   the rank has been waiting in a collective of a process group for over a second
   (:func:`blocked`), which a rank waiting for it at compile time reads: a rank blocked
   in a collective with this rank will never reach this rank's compile, a deadlock that
-  is reported at once as a ``ScheduleError`` instead of after a timeout.
+  is reported as a ``ScheduleError`` within seconds (once the same wait shows over fresh
+  beats: :data:`DEADLOCK_SECONDS`) instead of after a timeout.
 - its **failure**: the first error a compshard wait raised on it, an uncaught exception
   (``sys.excepthook``), or, at interpreter exit, that it exited
   (``compshard/failed/<rank>`` in the store, and a state word in the shared files).
@@ -28,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import sys
 import threading
 import time
@@ -48,6 +50,9 @@ BEAT_SECONDS = 0.5
 # 15 s in which a job is to notice.
 STALE_SECONDS = 6.0
 BLOCKED_SECONDS = 1.0  # a wait in a collective this long is reported in the beat (a shorter one is normal)
+# A peer reported blocked in the same wait this long, over fresh heartbeats, waits for the
+# watching rank: one reading alone may be a stale beat from a wait that has since ended.
+DEADLOCK_SECONDS = 2.0
 
 # What a published failure was, most telling first: where several ranks failed, the one
 # to report is the first of these kinds.
@@ -97,7 +102,8 @@ class _Process:
 
 _state: _Process | None = None
 _sinks: list[Callable[[], Sink | None]] = []  # weak references to the shared-memory files
-_blocked: dict[int, tuple[str, float]] = {}  # thread id -> (group name, since)
+_blocked: dict[int, tuple[str, float, int]] = {}  # thread id -> (group name, since, wait number)
+_waits = itertools.count()
 _lock = threading.Lock()
 
 
@@ -177,7 +183,7 @@ def blocked(group_name: str) -> Iterator[None]:
 
 def block(group_name: str) -> None:
     """:func:`blocked`'s start, for a wait loop that enters it only once it is slow."""
-    _blocked[threading.get_ident()] = (group_name, time.monotonic())
+    _blocked[threading.get_ident()] = (group_name, time.monotonic(), next(_waits))
 
 
 def unblock() -> None:
@@ -185,8 +191,11 @@ def unblock() -> None:
 
 
 def _blocked_on() -> str:
+    """``"<group>|<wait number>"`` of a wait in a collective that has lasted over
+    :data:`BLOCKED_SECONDS`, else ``""``."""
     now = time.monotonic()
-    return next((group for group, since in list(_blocked.values()) if now - since > BLOCKED_SECONDS), "")
+    return next((f"{group}|{wait}" for group, since, wait in list(_blocked.values()) if now - since > BLOCKED_SECONDS),
+                "")
 
 
 def _beat_once() -> None:
@@ -264,12 +273,14 @@ class PeerWatch:
     def __init__(self, store: dist.Store, interval: float = 0.2) -> None:
         self.store, self.interval = store, interval
         self._seen: dict[int, tuple[str, float]] = {}  # rank -> (its last beat, when it changed)
+        self._blocked: dict[int, tuple[str, int, float]] = {}  # rank -> (its wait, first beat and time seen in it)
         self._checked = 0.0
 
     def check(self, ranks: list[int], context: str, deadlock: Callable[[int, str], None] | None = None) -> None:
         """Raise when one of ``ranks`` (global) failed or stopped beating. ``deadlock(rank,
-        group)`` is called for a rank blocked in a collective of ``group`` for over
-        :data:`BLOCKED_SECONDS`, and may raise."""
+        group)`` is called for a rank blocked in one wait in a collective of ``group`` over
+        two more of its heartbeats and :data:`DEADLOCK_SECONDS` of this watch, and may
+        raise."""
         now = time.monotonic()
         if now - self._checked < self.interval:
             return
@@ -288,6 +299,12 @@ class PeerWatch:
             elif now - last[1] > STALE_SECONDS:
                 raise RankFailed(f"compshard: rank {rank} stopped: no heartbeat for {now - last[1]:.0f} s "
                                  f"(killed, or its process hangs; this rank {context})")
-            group = beat.partition("|")[2]
-            if group and deadlock is not None:
-                deadlock(rank, group)
+            count, _, wait = beat.partition("|")
+            if not wait:
+                self._blocked.pop(rank, None)
+                continue
+            first = self._blocked.get(rank)
+            if first is None or first[0] != wait:
+                self._blocked[rank] = (wait, int(count), now)
+            elif deadlock is not None and int(count) - first[1] >= 2 and now - first[2] >= DEADLOCK_SECONDS:
+                deadlock(rank, wait.rpartition("|")[0])
