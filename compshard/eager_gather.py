@@ -145,6 +145,7 @@ class EagerReductions:
         self.stack.append(item)
 
     def received(self, item: _Pending, grad: torch.Tensor) -> None:
+        """Autograd's gradient of ``item``'s gathered tensor: added to its reduction; then the walk."""
         reduction = item.reduction
         if grad.requires_grad:
             raise RuntimeError(f"compshard: backward(create_graph=True) reached the gather of parameter "
@@ -188,11 +189,12 @@ class EagerReductions:
         self.stack = kept[::-1]
         self.open = fresh
         received, self.received_now = self.received_now, []
-        for item in received:
-            if not item.reduction.done or item.reduction.param.grad is None:
-                raise RuntimeError(f"compshard: the gradient of parameter '{item.reduction.fqn}' reached its "
-                                   "uncompiled gather but was not reduced into its .grad (a bug in compshard: "
-                                   "please report it with the model)")
+        lost = {item.reduction.fqn: None for item in received
+                if not item.reduction.done or item.reduction.param.grad is None}
+        if lost:
+            raise RuntimeError(f"compshard: the gradients of parameters {', '.join(map(repr, lost))} reached their "
+                               "uncompiled gathers in this backward but were not reduced into .grad (a bug in "
+                               "compshard: please report it with the model)")
 
     def _pass(self, item: _Pending) -> None:
         """The walk passes ``item``: its gradient is in, or it is skipped (zeros) or gone."""

@@ -78,15 +78,21 @@ def _gathered_in_backward(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> 
     return sorted(names)
 
 
-def _create_graph_error() -> str:
-    """The error of an uncompiled ``backward(create_graph=True)`` reaching gathers ("" if none)."""
+def _backward_error(create_graph: bool = False) -> str:
+    """The error of one uncompiled backward of a small sharded MLP ("" if none)."""
     torch.manual_seed(0)
     model = compshard.shard(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 1)))
     try:
-        model(torch.randn(2, 8)).sum().backward(create_graph=True)
+        model(torch.randn(2, 8)).sum().backward(create_graph=create_graph)
     except RuntimeError as error:
         return str(error)
     return ""
+
+
+def _lost_gradient_error() -> str:
+    """The error of an uncompiled backward whose reduced gradients never reach ``.grad``."""
+    with mock.patch.object(eager_gather, "accumulate_grad", lambda param, local_grad: None):
+        return _backward_error()
 
 
 # ---------------------------------------------------------------------- GPT-2, tied, bf16
@@ -155,7 +161,8 @@ def worker(rank: int, world_size: int) -> dict:
 
             results["parity"][name, mode] = _attempt(run)
             _barrier(f"nested/{name}/{mode}", rank, world_size)
-    results["create_graph"] = _create_graph_error()
+    results["create_graph"] = _backward_error(create_graph=True)
+    results["lost_gradient"] = _lost_gradient_error()
     results["gpt2_bf16"] = _attempt(lambda: {"runs": _gpt2_bf16(rank, world_size)})
     return results
 
@@ -192,6 +199,14 @@ def test_backward_with_create_graph_is_refused_naming_the_parameter():
     for rank, result in enumerate(spawn()):
         assert "create_graph=True" in result["create_graph"] and "'2.weight'" in result["create_graph"], (
             rank, result["create_graph"])
+
+
+def test_a_gradient_lost_after_its_gather_is_reported_naming_the_parameter():
+    """The end-of-backward check: a gradient that reached a gather but not the parameter's
+    ``.grad`` (here the reduced rows are thrown away) is an error, not ``grad=None``."""
+    for rank, result in enumerate(spawn()):
+        assert "'2.weight'" in result["lost_gradient"] and "'0.bias'" in result["lost_gradient"], (
+            rank, result["lost_gradient"])
 
 
 def test_gpt2_tied_bf16_uncompiled_compiled_and_fsdp2_agree_bitwise():
