@@ -433,8 +433,8 @@ def test_readme_pipeline_example_runs(pipeline_results):
 
 
 def test_compile_true_compiles_a_stage_only_where_there_is_something_to_schedule():
-    def compiles(options: dict, **stage) -> bool:
-        return compiles_stage(CompileOptions.from_dict(options), **stage)
+    def compiles(options: dict, device: str = "cpu", **stage) -> bool:  # a stage resolves its options for its device
+        return compiles_stage(CompileOptions.from_dict(options).for_devices([torch.device(device)]), **stage)
 
     assert compiles({}, sharded=True, reshard="per_microbatch")  # gathers in every micro-batch
     assert not compiles({}, sharded=True, reshard="per_step")  # its parameters held for the step
@@ -442,3 +442,4 @@ def test_compile_true_compiles_a_stage_only_where_there_is_something_to_schedule
     assert compiles({"recompute": "selective"}, sharded=True, reshard="per_step")
     assert compiles({"memory_budget_mb": 8}, sharded=False, reshard="per_step")
     assert compiles({"codegen": "inductor"}, sharded=False, reshard="per_step")
+    assert compiles({}, "cuda", sharded=False, reshard="per_step")  # codegen "auto": Inductor on CUDA

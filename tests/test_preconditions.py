@@ -236,12 +236,12 @@ def _partial_recompile_worker(rank: int, world_size: int) -> dict:
 
 def test_a_recompile_on_some_ranks_only_is_the_same_clear_error_on_every_rank():
     """The recompiling rank waits for the others' schedules, gives up, and says why; the
-    rank that ran on (blocked in a collective with it) reports the same error when that
-    collective fails, not a bare transport error, and not after the process group's
-    timeout."""
+    rank that ran on (blocked in a collective with it) reports the same error, naming the
+    rank that stopped with it (``compshard.liveness``), not a bare transport error, and not
+    after the process group's timeout."""
     results = run_distributed(_partial_recompile_worker, 2, timeout=120, pg_timeout=90)
     for result in results:
         assert result["error"] == "ScheduleError", result
         assert "dynamic=True" in result["message"] and "rank(s) [0]" in result["message"], result
         assert result["seconds"] < 60, result
-    assert "collective failed because that rank stopped" in results[0]["message"]
+    assert "rank 1 stopped with this" in results[0]["message"], results[0]  # the cause, published by rank 1
