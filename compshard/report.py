@@ -24,14 +24,16 @@ import tempfile
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx, nn
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from compshard import backend
 from compshard.compile_plan import COLLECTIVE_KINDS, CompilePlan, NodeMeta, RecomputePlan, node_meta
 from compshard.logs import format_mib
 from compshard.options import CompileOptions
-from compshard.passes.fx_utils import is_view
+from compshard.passes.fx_utils import is_view, op_arg, program_collective
 from compshard.sharding import ShardingConfig
 from compshard.timeline import Timeline, simulate
 
@@ -154,8 +156,8 @@ class Report:
                 if node.op != "call_function" or (not views and _only_views(node)):
                     continue
                 meta = node_meta(node)
-                row_kind = meta.kind or "compute"
-                bucket = self._bucket_label(meta, graph_name) if meta.kind else ""
+                row_kind = meta.kind or ("tp collective" if program_collective(node) else "compute")
+                bucket = self._bucket_label(meta, graph_name) if meta.kind else _program_group(node)
                 if row_kind == "free":
                     bucket += f" ({_FREED.get(meta.freed, meta.freed)})" if meta.freed else ""
                 last = rows[-1] if rows else None
@@ -254,10 +256,13 @@ class Report:
             process = pid(("estimated", kind), f"estimated {kind}")
             for tid, stream in enumerate(_STREAMS, 1):
                 events.append({"ph": "M", "name": "thread_name", "pid": process, "tid": tid, "args": {"name": stream}})
+            nodes = {node.name: node for node in self.graphs[kind].graph.nodes}
             for span in timeline.spans:
-                events.append({"name": span.name, "cat": span.kind, "ph": "X", "pid": process,
-                               "tid": _STREAMS.index(span.stream) + 1, "ts": (offset + span.start) * 1e6,
-                               "dur": (span.end - span.start) * 1e6})
+                group = _program_group(nodes[span.name]) if span.name in nodes else ""
+                events.append({"name": span.name, "cat": "tp collective" if group else span.kind, "ph": "X",
+                               "pid": process, "tid": _STREAMS.index(span.stream) + 1,
+                               "ts": (offset + span.start) * 1e6, "dur": (span.end - span.start) * 1e6,
+                               **({"args": {"group": group}} if group else {})})
             for node, seconds in timeline.time_after.items():
                 ts = (offset + seconds) * 1e6
                 events.append({"name": "estimated live bytes", "ph": "C", "pid": process, "ts": ts,
@@ -293,6 +298,20 @@ def _op_name(node: fx.Node) -> str:
     """The operator's name without namespace and overload (``all_gather_into_tensor_out``)."""
     target = node.target
     return target._opname if isinstance(target, torch._ops.OpOverload) else getattr(target, "__name__", str(target))
+
+
+def _program_group(node: fx.Node) -> str:
+    """For a collective of the program (tensor parallelism's, ``fx_utils.program_collective``):
+    its operator and group, with the group's global ranks where this process knows the group
+    (``"all_reduce on group 3 (ranks 0, 1)"``); ``""`` for any other node."""
+    if not program_collective(node):
+        return ""
+    name = op_arg(node, "group_name")
+    try:
+        ranks = f" (ranks {', '.join(map(str, dist.get_process_group_ranks(_resolve_process_group(name))))})"
+    except (RuntimeError, ValueError):
+        ranks = ""
+    return f"{_op_name(node)} on group {name}{ranks}"
 
 
 def _only_views(node: fx.Node) -> bool:

@@ -12,7 +12,10 @@ single-process eager training on the global batch, gradients clipped each step b
 from __future__ import annotations
 
 import copy
+import json
+import os
 import re
+import tempfile
 from dataclasses import dataclass
 
 import pytest
@@ -20,16 +23,21 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.parallel import (
-    ColwiseParallel, PrepareModuleInput, RowwiseParallel, SequenceParallel, parallelize_module,
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    SequenceParallel,
+    parallelize_module,
 )
 
 import compshard
 from compshard.backend import record_compiles
 from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
 from compshard.passes.fx_utils import c10d, is_op, op_arg, program_collective
+from compshard.report import Report
 from tests.distributed import run_distributed
 from tests.models import make_model
 from tests.real_models import build_llama
@@ -109,13 +117,16 @@ class GraphCollectives:
     compshard_groups: set[str]
 
 
-def _adamw(model: nn.Module, lr: float) -> torch.optim.Optimizer:
+def adamw_at(model: nn.Module, lr: float = ADAMW["lr"]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(model.parameters(), **(ADAMW | {"lr": lr}))
 
 
-def _train(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool, lr: float = ADAMW["lr"]) -> Run:
-    step_model = torch.compile(model, backend="compshard") if compiled else model
-    opt = _adamw(model, lr)
+def train_2d(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool, lr: float = ADAMW["lr"], *,
+             options: dict | None = None, optimizer: torch.optim.Optimizer | None = None) -> Run:
+    """``STEPS`` AdamW steps (with ``optimizer``, a new one when None) on this dp rank's
+    slice of ``batch``, clipped by ``compshard.clip_grad_norm_``."""
+    step_model = torch.compile(model, backend="compshard", options=options) if compiled else model
+    opt = optimizer if optimizer is not None else adamw_at(model, lr)
     losses = []
     for _ in range(STEPS):
         loss = step_model(*local_batch(batch, mesh["dp"].get_local_rank(), DP))
@@ -123,24 +134,31 @@ def _train(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool, lr:
         compshard.clip_grad_norm_(model, MAX_NORM)
         opt.step()
         opt.zero_grad()
-        mean = loss.detach().clone()
+        mean = loss.detach().to(torch.float32, copy=True)
         dist.all_reduce(mean)  # tp ranks hold the same loss: the mean over all ranks is the mean over dp
         losses.append(mean.item() / dist.get_world_size())
-    params = {name: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-              for name, p in model.named_parameters()}
-    placements = {name: tuple(p.placements) for name, p in model.named_parameters() if isinstance(p, DTensor)}
-    return Run(losses, params, placements)
+    return Run(losses, full_parameters(model),
+               {name: tuple(p.placements) for name, p in model.named_parameters() if isinstance(p, DTensor)})
 
 
-def _sharded(mode: str, model: nn.Module, mesh: DeviceMesh) -> nn.Module:
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter as a full tensor, by name (collective)."""
+    return {name: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
+            for name, p in model.named_parameters()}
+
+
+def shard_2d(mode: str, model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
+             reduce_dtype: torch.dtype | None = None) -> nn.Module:
     """``model`` (tensor-parallel already) sharded over ``mesh["dp"]``: by FSDP2 for
-    ``"fsdp2"`` (each repeated block, then the root, as FSDP2 is applied), else by compshard."""
+    ``"fsdp2"`` (each repeated block, then the root, as FSDP2 is applied), else by compshard;
+    with the mixed-precision dtypes given."""
     if mode != "fsdp2":
-        return compshard.shard(model, mesh=mesh["dp"])
+        return compshard.shard(model, mesh=mesh["dp"], param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    policy = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
     blocks = model.blocks if hasattr(model, "blocks") else model.model.model.layers
     for block in blocks:
-        fully_shard(block, mesh=mesh["dp"])
-    return fully_shard(model, mesh=mesh["dp"])
+        fully_shard(block, mesh=mesh["dp"], mp_policy=policy)
+    return fully_shard(model, mesh=mesh["dp"], mp_policy=policy)
 
 
 def _collectives(kind: str, graph: torch.fx.Graph) -> GraphCollectives:
@@ -149,6 +167,17 @@ def _collectives(kind: str, graph: torch.fx.Graph) -> GraphCollectives:
     waited = all(any(is_op(u, c10d.wait_tensor.default) for u in n.users) for n in program)
     return GraphCollectives(kind, [n.name for n in program], {op_arg(n, "group_name") for n in program}, waited,
                             [node_meta(n).kind for n in ours], {op_arg(n, "group_name") for n in ours})
+
+
+def _tensor_parallel_in_report(report: Report) -> tuple[set[str], set[str]]:
+    """What ``compshard.inspect``'s table and trace say of the tensor-parallel collectives:
+    the labels of the table's ``tp collective`` rows and of the trace's spans."""
+    rows = {row["bucket"] for row in report.rows() if row["kind"] == "tp collective"}
+    with tempfile.TemporaryDirectory() as folder:
+        report.save_trace(os.path.join(folder, "trace.json"))
+        with open(os.path.join(folder, "trace.json")) as file:
+            events = json.load(file)["traceEvents"]
+    return rows, {event["args"]["group"] for event in events if event.get("cat") == "tp collective"}
 
 
 def _errors(mesh: DeviceMesh) -> dict[str, str]:
@@ -186,11 +215,12 @@ def _worker(rank: int, world_size: int) -> dict:
     runs = {}
     with record_compiles() as recorded:  # the compiled run's graphs (the others compile nothing)
         for mode in ("fsdp2", "eager", "compiled"):
-            replica = _sharded(mode, parallelize_module(copy.deepcopy(model), mesh["tp"], gpt_plan(model)), mesh)
-            runs[mode] = _train(replica, batch, mesh, compiled=mode == "compiled")
+            replica = shard_2d(mode, parallelize_module(copy.deepcopy(model), mesh["tp"], gpt_plan(model)), mesh)
+            runs[mode] = train_2d(replica, batch, mesh, compiled=mode == "compiled")
     graphs = [_collectives(g.kind, g.gm.graph) for g in recorded]
     groups = {"dp": mesh["dp"].get_group().group_name, "tp": mesh["tp"].get_group().group_name}
-    result = {"runs": runs, "graphs": graphs, "groups": groups, "errors": _errors(mesh), "uneven": _uneven(mesh)}
+    result = {"runs": runs, "graphs": graphs, "groups": groups, "errors": _errors(mesh), "uneven": _uneven(mesh),
+              "report": _tensor_parallel_in_report(Report(list(recorded)))}
     return result if rank == 0 else {}
 
 
@@ -201,7 +231,7 @@ def _llama_worker(rank: int, world_size: int) -> dict:
     for sequence_parallel in (False, True):
         for mode in ("fsdp2", "eager", "compiled"):
             replica = parallelize_module(copy.deepcopy(model), mesh["tp"], llama_plan(model, sequence_parallel))
-            runs[mode, sequence_parallel] = _train(_sharded(mode, replica, mesh), batch, mesh,
+            runs[mode, sequence_parallel] = train_2d(shard_2d(mode, replica, mesh), batch, mesh,
                                                    compiled=mode == "compiled", lr=LLAMA_LR)
     return runs if rank == 0 else {}
 
@@ -245,7 +275,7 @@ def test_training_matches_fsdp2_and_single_process(results, mode):
 @pytest.mark.parametrize("mode", ["eager", "compiled"])
 def test_llama_matches_fsdp2_and_single_process(llama_runs, mode, sequence_parallel):
     model, batch = build_llama()
-    reference_losses = train_reference(model, batch, STEPS, max_grad_norm=MAX_NORM, optimizer=_adamw(model, LLAMA_LR))
+    reference_losses = train_reference(model, batch, STEPS, max_grad_norm=MAX_NORM, optimizer=adamw_at(model, LLAMA_LR))
     run = llama_runs[mode, sequence_parallel]
     assert run.placements == llama_runs["fsdp2", sequence_parallel].placements
     _assert_parity(run, llama_runs["fsdp2", sequence_parallel], reference_losses, dict(model.named_parameters()))
@@ -271,6 +301,14 @@ def test_compiled_graphs_carry_both_groups_collectives(results):
             # FX numbers the nodes of one op in trace order: the passes kept the program's order
             same_op = [name for name in graph.program if _op_and_index(name)[0] == op]
             assert same_op == sorted(same_op, key=lambda name: _op_and_index(name)[1]), same_op
+
+
+def test_inspect_and_trace_name_the_tensor_parallel_group(results):
+    rows, spans = results["report"]
+    tp_group = f"on group {results['groups']['tp']} (ranks 0, 1)"  # rank 0's tp group
+    assert rows and all(tp_group in row for row in rows), rows
+    assert {row.split()[0] for row in rows} >= {"all_gather_into_tensor", "all_reduce"}, rows
+    assert spans and spans <= rows, spans
 
 
 def test_unsupported_layouts_raise_naming_the_parameter(results):
