@@ -19,6 +19,7 @@ interpreter tests skip; the reference tests still run.
 
 from __future__ import annotations
 
+import math
 import os
 import subprocess
 import sys
@@ -30,6 +31,7 @@ import torch.nn.functional as F
 
 import compshard.kernels as K
 from compshard.kernels import _triton_launch
+from compshard.ops import ShardLayout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_PAIRS = [(a, b) for a in DTYPES for b in DTYPES]
@@ -184,18 +186,19 @@ EXTRA = [0, 0, 3, 0, 0, 1, 0]
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
-def test_chunk_and_pad_constructions_agree(world_size):
-    """The F.pad construction the tests rely on equals torch.chunk semantics when L = ceil(numel/ws)."""
-    for n in [1, 3, 7, 130, 257, 600]:
-        flat = torch.arange(n, dtype=torch.float32)
-        length = -(-n // world_size)
-        chunks = torch.chunk(flat, world_size)
-        for r in range(world_size):
-            expected = chunks[r] if r < len(chunks) else flat[:0]
-            expected = F.pad(expected, (0, length - expected.numel()))
-            assert torch.equal(naive_shard(flat, r, world_size, length), expected)
-            assert torch.equal(F.pad(local_shard(flat, r, length), (0, length - local_shard(flat, r, length).numel())),
-                               expected)
+def test_shard_layout_is_torch_chunk_along_dim_0(world_size):
+    """compshard's shard layout (the kernels' contract, ``ops.ShardLayout``) is DTensor
+    ``Shard(0)``: rank r holds ``torch.chunk(full, world_size)[r]`` (nothing past the last
+    chunk), padded to ``ceil(dim0 / world_size)`` rows."""
+    for shape in [(1,), (3,), (7, 2), (130,), (5, 3, 2), (600,)]:
+        full = torch.arange(math.prod(shape), dtype=torch.float32).view(shape)
+        chunks = torch.chunk(full, world_size)
+        for rank in range(world_size):
+            layout = ShardLayout(shape, world_size, rank)
+            expected = chunks[rank] if rank < len(chunks) else full[:0]
+            start, stop = layout.local_rows
+            assert torch.equal(full[start:stop], expected) and layout.local_shape == tuple(expected.shape)
+            assert layout.padded_shard_numel == -(-shape[0] // world_size) * math.prod(shape[1:])
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
@@ -670,9 +673,9 @@ def test_kernel_compiles_for_h100(monkeypatch, tmp_path):
     """Compile representative variants to PTX/cubin for sm_90 (no GPU needed): catches codegen errors the
     interpreter cannot see, and checks that aligned full blocks use 16-byte vector loads and IEEE division."""
     try:
+        import triton
         from triton.backends.compiler import GPUTarget
         from triton.compiler import ASTSource
-        import triton
     except ImportError as exc:  # pragma: no cover - depends on the triton build
         pytest.skip(f"triton's offline compiler API is unavailable: {exc}")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))

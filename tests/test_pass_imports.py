@@ -39,3 +39,9 @@ def test_no_pass_file_imports_another_pass_file():
         if others:
             crossing[module] = others
     assert not crossing, f"pass files importing other pass files (move what they share to a shared module): {crossing}"
+
+
+def test_every_pass_of_the_pipelines_has_its_own_unit_test_file():
+    tests = pathlib.Path(__file__).parent / "passes"
+    missing = sorted(module for module in PASSES if not (tests / f"test_{module.rpartition('.')[2]}.py").is_file())
+    assert not missing, f"passes without a unit test file tests/passes/test_<pass>.py on hand-built graphs: {missing}"
