@@ -37,8 +37,9 @@ Inductor's caches compile their kernels once.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import fx
@@ -112,6 +113,7 @@ def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Nod
 
     def lookup(value: fx.Node) -> fx.Node:
         if value not in env:  # a constant
+            assert isinstance(value.target, str), value.format_node()  # a get_attr node: the attribute's name
             env[value] = graph.get_attr(value.target)
             env[value].meta = dict(value.meta)
         return env[value]
@@ -143,11 +145,11 @@ def _compile_region(region: fx.GraphModule, inputs: list[fx.Node], kind: str) ->
 def _eager(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> Callable[[list], list]:
     """Run ``nodes`` one by one, as the fx codegen does (owned nodes, view-only regions);
     compshard's bucket copies and frees without the dispatcher (``ops.direct_call``)."""
+    calls = []
     for node in nodes:
-        if node.op != "call_function":
+        if node.op != "call_function" or not callable(node.target):
             raise NotImplementedError(f"compshard: codegen 'inductor' cannot run {node.format_node()}")
-
-    calls = [(node, direct_call(node.target)) for node in nodes]
+        calls.append((node, direct_call(node.target)))
 
     def call(values: list) -> list:
         env = dict(zip(inputs, values))

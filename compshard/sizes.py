@@ -15,7 +15,7 @@ __all__ = ["size_hint", "nbytes"]
 UNBACKED_SIZE_HINT = 8192  # what a data-dependent size is taken to be (Inductor's default)
 
 
-def size_hint(value: object) -> int:
+def size_hint(value: int | torch.SymInt) -> int:
     """A size as a plain int: a symbolic size's example value (its hint), read without
     installing a guard, so estimates made from it never make Dynamo recompile for a new
     shape. Only for estimates: a decision made from a hint must be valid for any size."""

@@ -3,19 +3,22 @@ per difference, so that dropping a release means deleting its lines here."""
 
 from __future__ import annotations
 
-from typing import Callable, TypeVar
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
 from torch.torch_version import TorchVersion
 
 __all__ = ["TORCH_2_13", "constant_lookup", "optimization_hint"]
 
-TORCH_2_13 = TorchVersion(torch.__version__) >= (2, 13)
+TORCH_2_13 = TorchVersion(torch.__version__) >= "2.13"
 
 try:  # torch >= 2.13
     from torch.fx.experimental.symbolic_shapes import optimization_hint
 except ImportError:  # torch 2.11 and 2.12: the same guard-free read of a size's hint, under its earlier name
-    from torch.fx.experimental.symbolic_shapes import size_hint as optimization_hint
+    from torch.fx.experimental.symbolic_shapes import (  # type: ignore[attr-defined,no-redef]  # not in 2.13
+        size_hint as optimization_hint,
+    )
 
 F = TypeVar("F", bound=Callable)
 

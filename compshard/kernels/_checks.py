@@ -110,10 +110,11 @@ def check_tensor_list(
     length: int,
     device: torch.device | None,
     dtype: torch.dtype | None = None,
-) -> tuple[list[torch.Tensor], torch.device | None]:
+) -> tuple[list[torch.Tensor], torch.device]:
     """Check a list of ``length`` contiguous tensors sharing one dtype (``dtype`` if given) and device.
 
-    Returns the list and the common device (``device`` if given, else the first tensor's).
+    Returns the list and the common device (``device`` if given, else the first tensor's;
+    with neither, a ValueError).
     """
     if isinstance(tensors, torch.Tensor) or not isinstance(tensors, Sequence):
         raise TypeError(f"{name} must be a list of tensors, got {type(tensors).__name__}")
@@ -128,6 +129,8 @@ def check_tensor_list(
             dtype = t.dtype
         elif t.dtype != dtype:
             raise TypeError(f"{name}[{i}] has dtype {t.dtype} but {name} must all be {dtype}")
+    if device is None:
+        raise ValueError(f"{name} is empty: it must hold at least one tensor")
     return tensors, device
 
 

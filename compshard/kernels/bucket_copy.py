@@ -309,7 +309,7 @@ def reduce_scatter_copy_out(
         validated = {name: destinations} if destinations is not None else {}
         return reduce_scatter_copy_out_reference(reduced, layout.shard_numels, local, dtype, **validated)
     if destinations is None:
-        results = list(torch.split(torch.empty(sum(local), dtype=dtype, device=device), local))
+        results = list(torch.split(torch.empty(sum(local), dtype=dtype, device=device), list(local)))
     else:
         results = list(destinations)
     base, itemsize = reduced.data_ptr(), reduced.dtype.itemsize

@@ -27,6 +27,8 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    mask: torch.Tensor  # a buffer: the causal mask, True where a position may attend
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         if cfg.n_embd % cfg.n_head:

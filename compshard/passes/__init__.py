@@ -12,8 +12,9 @@ returns None.
 
   dynamo graph   dedupe_unshard
   joint graph    drop_redundant_clones, assign_buckets -> buckets, keep_gathered(buckets) -> buckets,
-                 tag_gathered_params(buckets), recompute(buckets) -> recompute; then the partition (``partition.py``: the
-                 min-cut partitioner, -> saved_count and the recompute plan's saved bytes)
+                 tag_gathered_params(buckets), recompute(buckets) -> recompute; then the partition
+                 (``partition.py``: the min-cut partitioner, -> saved_count and the recompute plan's
+                 saved bytes)
   forward        agree_shapes, coalesce_collectives(buckets) -> coalescing,
                  lower_unshard(buckets, coalescing), agree_lowered_shapes, estimate_costs,
                  prefetch -> prefetch, insert_free, estimate_memory -> peak_bytes,
@@ -29,8 +30,8 @@ from __future__ import annotations
 import functools
 import inspect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, fields, replace
-from typing import Callable
 
 from torch import fx
 

@@ -29,19 +29,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch._subclasses.fake_tensor import FakeTensor
 
 from compshard.compile_plan import set_node_meta
 from compshard.cost_model import costs_for, node_seconds
-from compshard.sizes import size_hint
 from compshard.ops import resolve_group
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    collective_group, compshard_ops, first_arg, is_op, is_view, reduce_grad_args, restore_stashed_vals, unshard_args,
+    collective_group,
+    compshard_ops,
+    first_arg,
+    is_op,
+    is_view,
+    reduce_grad_args,
+    restore_stashed_vals,
+    unshard_args,
 )
 from compshard.rank_exchange import exchange_across_ranks
+from compshard.sizes import size_hint
+
+Shapes = list[tuple[int, ...]] | None  # one node's tensors' shapes (None: it has no tensor)
 
 
-def _shapes(val: Any) -> list[tuple[int, ...]] | None:
+def _shapes(val: Any) -> Shapes:
     """Shapes (size hints) of the tensors in ``val``, flattened; None if it holds none."""
     tensors = [t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
     return [tuple(size_hint(s) for s in t.shape) for t in tensors] if tensors else None
@@ -56,14 +66,14 @@ def _group(graph: fx.Graph) -> str:
     return ""
 
 
-def _agreed(everyone: list[list]) -> list | None:
+def _agreed(everyone: list[list[Shapes]]) -> list[Shapes] | None:
     """Per node, the elementwise maximum shapes over ranks; None when the graphs differ."""
     mine = everyone[0]
     if all(other == mine for other in everyone[1:]):  # the usual case: nothing to agree on
         return mine
     if any(len(other) != len(mine) for other in everyone):
         return None
-    agreed = []
+    agreed: list[Shapes] = []
     for per_rank in zip(*everyone):
         if any(shapes is None for shapes in per_rank):
             if any(shapes is not None for shapes in per_rank):
@@ -82,7 +92,7 @@ def _stand_in(val: Any, shapes: list[tuple[int, ...]]) -> Any:
     remaining = iter(shapes)
     replaced = []
     for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
+        if isinstance(leaf, FakeTensor):
             shape = next(remaining)
             with leaf.fake_mode:
                 leaf = torch.empty(shape, dtype=leaf.dtype, device=leaf.device)
@@ -125,9 +135,9 @@ def _agree(graph: fx.Graph, keep_local: bool) -> None:
             set_node_meta(node, agreed_seconds=max(per_rank))
     local = _local_shard_nodes(graph) if keep_local else set()
     for node, own, target in zip(nodes, shapes, agreed):
-        if own is not None and own != target and node not in local and all(hasattr(t, "fake_mode") for t in
-                                                     torch.utils._pytree.tree_leaves(node.meta["val"])
-                                                     if isinstance(t, torch.Tensor)):
+        if own is not None and target is not None and own != target and node not in local and all(
+                isinstance(t, FakeTensor) for t in torch.utils._pytree.tree_leaves(node.meta["val"])
+                if isinstance(t, torch.Tensor)):
             set_node_meta(node, stashed_val=node.meta["val"])
             node.meta["val"] = _stand_in(node.meta["val"], target)
 

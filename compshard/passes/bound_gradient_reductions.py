@@ -19,7 +19,7 @@ from torch import fx
 
 from compshard.compile_plan import MiB, node_meta
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import CollectiveGroup, collective_groups, node_order
+from compshard.passes.fx_utils import CollectiveGroup, collective_groups, node_order, waited
 
 
 def bound_gradient_reductions(graph: fx.Graph, ctx: PassContext) -> None:
@@ -32,10 +32,10 @@ def _bound(graph: fx.Graph, kind: str, bound: float) -> None:
     for group in collective_groups(graph, kind):
         anchor = group.issued
         order = node_order(graph)
-        inflight = [g for g in started if order[g.wait] > order[anchor]]  # waits only ever move up
+        inflight = [g for g in started if order[waited(g)] > order[anchor]]  # waits only ever move up
         nbytes = node_meta(group.start).bytes
         while inflight and sum(node_meta(g.start).bytes for g in inflight) + nbytes > bound:
-            for node in [inflight[0].wait, *inflight[0].unpack]:
+            for node in [waited(inflight[0]), *inflight[0].unpack]:
                 anchor.prepend(node)
             inflight.pop(0)
         started.append(group)

@@ -34,24 +34,41 @@ differing collective on every rank, instead of a hang at run time.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
+import torch
 import torch.distributed as dist
 from torch import fx
 
 from compshard.compile_plan import COLLECTIVE_KINDS, BucketPlan, MiB, ScheduleError, node_meta
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    aliases, c10d, collective_group, first_arg, gathered_buffers, is_op, is_view, node_order, op_arg, output_values,
-    program_collective, reads_until, scheduled_kind,
+    aliases,
+    c10d,
+    collective_group,
+    first_arg,
+    gathered_buffers,
+    is_op,
+    is_view,
+    node_order,
+    op_arg,
+    output_values,
+    program_collective,
+    reads_until,
+    scheduled_kind,
 )
 from compshard.rank_exchange import exchange_across_ranks
 
 _STARTS = COLLECTIVE_KINDS
+# One scheduled node: its kind (or "program <op>"), parameters, bytes, and position in
+# non-view compute nodes.
+ScheduleEntry = tuple[str, tuple[str, ...], int, int]
 
 
-def schedule_entries(graph: fx.Graph) -> list[tuple]:
+def schedule_entries(graph: fx.Graph) -> list[ScheduleEntry]:
     """Rank-independent description of the scheduled nodes, in graph order."""
-    entries, compute_nodes = [], 0
+    entries: list[ScheduleEntry] = []
+    compute_nodes = 0
     for node in graph.nodes:
         meta = node_meta(node)
         if program_collective(node):
@@ -64,14 +81,16 @@ def schedule_entries(graph: fx.Graph) -> list[tuple]:
 
 
 def _program_kind(node: fx.Node) -> str:
-    return f"program {node.target.name()}"
+    """A collective of the program (an op overload of ``_c10d_functional``) by its op."""
+    target = node.target
+    return f"program {target.name() if isinstance(target, torch._ops.OpOverload) else target}"
 
 
 def _is_start(entry: tuple) -> bool:
     return entry[0] in _STARTS or entry[0].startswith("program ")
 
 
-def fingerprint(entries: list[tuple]) -> str:
+def fingerprint(entries: Sequence[object]) -> str:
     return hashlib.sha256(repr(entries).encode()).hexdigest()[:16]
 
 

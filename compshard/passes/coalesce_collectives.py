@@ -46,17 +46,26 @@ import torch.distributed as dist
 from torch import fx
 
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, MiB, node_meta
-from compshard.sizes import nbytes
 from compshard.ops import group_size
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    FakeValues, compshard_ops, is_op, is_view, members_by_bucket, node_order, producer, reduce_grad_args,
-    scheduled_kind, start_gathers_at_waits, unshard_args,
+    FakeValues,
+    compshard_ops,
+    is_op,
+    is_view,
+    members_by_bucket,
+    node_order,
+    producer,
+    reduce_grad_args,
+    scheduled_kind,
+    start_gathers_at_waits,
+    unshard_args,
 )
 from compshard.passes.gather_lowering import gathered_remotely, lower_gathers
-from compshard.passes.reduce_lowering import lower_reductions, reduced_in_bucket
 from compshard.passes.memory_model import backend_scratch_bytes, live_bytes, storages
+from compshard.passes.reduce_lowering import lower_reductions, reduced_in_bucket
 from compshard.rank_exchange import exchange_across_ranks
+from compshard.sizes import nbytes
 
 Plan = dict[str, list[list[str]]]  # collective kind -> bucket names per collective (a candidate Coalescing)
 
@@ -139,7 +148,7 @@ class PeakModel:
         self.base = [0] * size
 
     @classmethod
-    def build(cls, graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, plan: Plan) -> "PeakModel | None":
+    def build(cls, graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, plan: Plan) -> PeakModel | None:
         trial = _lowered_copy(graph, ctx, buckets, plan)
         events = storages(trial, count_inputs=ctx.graph == "backward")
         order, nodes = events.order, events.nodes
@@ -201,11 +210,11 @@ class PeakModel:
                     if user not in packing:
                         other[root] = max(other.get(root, -1), order[user])
         read = []
-        for root, buckets in read_by.items():
-            latest = max(lowered[b].pack for b in buckets)
+        for root, readers in read_by.items():
+            latest = max(lowered[b].pack for b in readers)
             if events.release_index(root) != max(other.get(root, -1), latest):
                 return None
-            read.append((order[producer(root)], nbytes(root.meta.get("val")), other.get(root, -1), buckets))
+            read.append((order[producer(root)], nbytes(root.meta.get("val")), other.get(root, -1), readers))
         model = cls(len(nodes), lowered, read)
         during, _ = live_bytes(trial, count_inputs=ctx.graph == "backward")
         separate, _ = model._intervals(plan)
@@ -257,10 +266,11 @@ def _key(marker: fx.Node) -> tuple:
     """What buckets sharing a collective must agree on: group, world size and dtypes
     (and, for gradients, the replica group and the shard dtype they are unpacked to)."""
     if is_op(marker, compshard_ops.unshard.default):
-        args = unshard_args(marker)
-        return args.group_name, args.world_size, marker.meta["val"].dtype
-    args = reduce_grad_args(marker)
-    return args.group_name, args.world_size, args.reduce_dtype, args.replicate_group, marker.meta["val"].dtype
+        gather = unshard_args(marker)
+        return gather.group_name, gather.world_size, marker.meta["val"].dtype
+    reduction = reduce_grad_args(marker)
+    return (reduction.group_name, reduction.world_size, reduction.reduce_dtype, reduction.replicate_group,
+            marker.meta["val"].dtype)
 
 
 def _buckets_in_need_order(graph: fx.Graph, buckets: BucketPlan, kind: str) -> list[tuple[Bucket, list[fx.Node]]]:

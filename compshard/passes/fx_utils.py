@@ -11,15 +11,23 @@ from __future__ import annotations
 
 import operator
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
 from compshard.compile_plan import (
-    COLLECTIVE_KINDS, META_KEY, Bucket, BucketPlan, Coalescing, NodeMeta, node_meta, set_node_meta,
+    COLLECTIVE_KINDS,
+    META_KEY,
+    Bucket,
+    BucketPlan,
+    Coalescing,
+    NodeMeta,
+    node_meta,
+    set_node_meta,
 )
 from compshard.module_tree import repeated_block, repeated_containers
 from compshard.ops import ReduceGradArgs, UnshardArgs
@@ -43,6 +51,8 @@ def op_arg(node: fx.Node, name: str) -> Any:
     """Argument ``name`` of an OpOverload call, by its schema name."""
     if name in node.kwargs:
         return node.kwargs[name]
+    if not isinstance(node.target, torch._ops.OpOverload):
+        raise TypeError(f"compshard: {node.format_node()} is not a call of an op overload")
     for argument, value in zip(node.target._schema.arguments, node.args):
         if argument.name == name:
             return value
@@ -51,7 +61,7 @@ def op_arg(node: fx.Node, name: str) -> Any:
 
 def unshard_args(node: fx.Node) -> UnshardArgs:
     """A ``compshard::unshard`` node's arguments by name."""
-    return UnshardArgs(*node.args, **node.kwargs)
+    return UnshardArgs(*_schema_typed(node.args), **_schema_typed(node.kwargs))
 
 
 def unshard_group(graph: fx.Graph) -> str:
@@ -63,7 +73,13 @@ def unshard_group(graph: fx.Graph) -> str:
 
 def reduce_grad_args(node: fx.Node) -> ReduceGradArgs:
     """A ``compshard::reduce_grad`` node's arguments by name."""
-    return ReduceGradArgs(*node.args, **node.kwargs)
+    return ReduceGradArgs(*_schema_typed(node.args), **_schema_typed(node.kwargs))
+
+
+def _schema_typed(arguments: tuple | dict) -> Any:
+    """A node's arguments (FX types them as any argument at all) as the op's schema types
+    them: the op was traced with arguments its schema accepts."""
+    return arguments
 
 
 def output_values(graph: fx.Graph) -> Any:
@@ -289,6 +305,13 @@ class CollectiveGroup:
         return self.pack[0] if self.pack else self.start
 
 
+def waited(group: CollectiveGroup) -> fx.Node:
+    """The wait of a lowered collective (the lowering places one for every start)."""
+    if group.wait is None:
+        raise RuntimeError(f"compshard: collective {group.start.name} has no wait")
+    return group.wait
+
+
 def collective_groups(graph: fx.Graph, kind: str) -> list[CollectiveGroup]:
     """Each collective of ``kind`` with its pack nodes, start, wait and unpack nodes, in
     graph order of each collective's first node."""
@@ -319,10 +342,10 @@ def start_gathers_at_waits(graph: fx.Graph) -> list[CollectiveGroup]:
     """Move every all-gather's pack and start to just before its wait (nothing in flight
     at once); return the gathers in order of their waits."""
     order = node_order(graph)
-    gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: order[g.wait])
+    gathers = sorted(collective_groups(graph, "all_gather"), key=lambda g: order[waited(g)])
     for gather in gathers:
         for node in gather.pack + [gather.start]:
-            gather.wait.prepend(node)
+            waited(gather).prepend(node)
     return gathers
 
 

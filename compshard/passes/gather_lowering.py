@@ -7,14 +7,24 @@ docstring states what holds before and after.
 from __future__ import annotations
 
 import operator
+from typing import Any
 
 from torch import fx
 
-from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta
+from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta, ScheduledKind
 from compshard.ops import ShardLayout, all_gathers_by_send_recv, resolve_group
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    FakeValues, aten, c10d, collective_members, compshard_ops, emit, first_use, hoist_before, is_op, prims,
+    FakeValues,
+    aten,
+    c10d,
+    collective_members,
+    compshard_ops,
+    emit,
+    first_use,
+    hoist_before,
+    is_op,
+    prims,
     unshard_args,
 )
 
@@ -48,11 +58,11 @@ def _lower_gather(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]], la
     gathered_bytes = world_size * sum(shard_numels) * dtype.itemsize
     bucket_names = tuple(bucket.name for bucket, _ in group)
 
-    def meta(kind: str, params: list[str], nbytes: int, buckets: tuple[str, ...] = bucket_names,
+    def meta(kind: ScheduledKind, params: list[str], nbytes: int, buckets: tuple[str, ...] = bucket_names,
              gathered: bool = False) -> NodeMeta:
         return NodeMeta(kind, tuple(params), int(nbytes), label, buckets, gathered)
 
-    def add(target, node_args: tuple, node_meta: NodeMeta, kwargs: dict | None = None) -> fx.Node:
+    def add(target: Any, node_args: tuple, node_meta: NodeMeta, kwargs: dict | None = None) -> fx.Node:
         return emit(graph, target, node_args, kwargs, meta=node_meta, fake_values=fake_values)
 
     for a in rest:

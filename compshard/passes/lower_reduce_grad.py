@@ -22,7 +22,8 @@ reduce-scatter's wait, the bucket's reduced shard is all-reduced across the repl
 group (its own start and wait; the unpack follows that wait); that wait and start sit
 just before the next bucket's reduce-scatter is packed, so the all-reduce overlaps the
 rest of backward. Without sharding (shard group of one rank) the packed bucket is
-all-reduced instead of reduce-scattered, started as soon as it is packed, as DDP does. The divisor is the number of data-parallel ranks.
+all-reduced instead of reduce-scattered, started as soon as it is packed, as DDP does.
+The divisor is the number of data-parallel ranks.
 
 The arithmetic is the eager op's (divide, then sum over ranks, then cast), so compiled
 and eager gradients agree.

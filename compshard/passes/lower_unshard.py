@@ -12,8 +12,8 @@ holding its shards flattened, cast, zero-padded and concatenated) and the in-pla
 ``compshard::gather_rows_``, see ``ops.all_gathers_by_send_recv``); just before the
 first use of any member: the ``wait_tensor`` and ``unpack`` nodes
 (``compshard::all_gather_copy_out`` into one flat tensor per bucket holding its
-parameters back to back, then a slice and view per parameter). The gathered buffer and each bucket's unpacked tensor carry
-``NodeMeta.gathered`` for the free pass: the buffer is released after
+parameters back to back, then a slice and view per parameter). The gathered buffer and
+each bucket's unpacked tensor carry ``NodeMeta.gathered`` for the free pass: the buffer is released after
 the unpack, and each bucket's parameters together after the last use of any of them. A
 later pass may move pack and start earlier (prefetch); the wait stays before first use.
 

@@ -34,10 +34,18 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.compile_plan import MiB, Prefetch, node_meta
-from compshard.sizes import nbytes
 from compshard.passes.context import PassContext
-from compshard.passes.fx_utils import CollectiveGroup, aten, is_op, is_view, scheduled_kind, start_gathers_at_waits
+from compshard.passes.fx_utils import (
+    CollectiveGroup,
+    aten,
+    is_op,
+    is_view,
+    scheduled_kind,
+    start_gathers_at_waits,
+    waited,
+)
 from compshard.passes.memory_model import LiveProfile, backend_scratch_bytes
+from compshard.sizes import nbytes
 
 
 def _inflight_bytes(gathers: list[CollectiveGroup], index: int, start_position: int, order: dict) -> int:
@@ -146,7 +154,7 @@ def prefetch(graph: fx.Graph, ctx: PassContext) -> Prefetch:
             position = _fixed_start(gathers, i, order, first, ctx.options.prefetch, bound)
         # all-gathers ahead: across how many others' uses the gather now runs (0: it starts at its wait)
         distance = 0 if position >= issued_at else i - max(
-            (j for j in range(i) if order[gathers[j].wait] < position), default=-1)
+            (j for j in range(i) if order[waited(gathers[j])] < position), default=-1)
         for bucket in node_meta(gather.start).buckets:
             distances[bucket] = distance
         if position < issued_at:

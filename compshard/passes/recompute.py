@@ -41,7 +41,7 @@ constants, so every rank tags the same nodes.
 
 from __future__ import annotations
 
-from typing import Mapping
+from collections.abc import Mapping
 
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
@@ -50,7 +50,7 @@ from compshard.compile_plan import BucketPlan, MiB, RecomputePlan
 from compshard.logs import warn
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import is_view, producer
-from compshard.passes.recompute_model import Level, SavePlan, option_levels, policy_for
+from compshard.passes.recompute_model import Level, SavePlan, budget_levels, option_levels, policy_for
 
 __all__ = ["recompute"]
 
@@ -76,7 +76,7 @@ def recompute(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> Recompu
         budget_bytes, fits, policy_name = None, True, "auto"
     elif isinstance(option, Mapping):
         budget_bytes = int(option["budget_mb"] * MiB)
-        levels, plan = option_levels(policy, option)
+        levels, plan = budget_levels(policy, budget_bytes)
         fits = plan.saved_bytes <= budget_bytes
         if not fits:
             warn(f"compshard: recompute budget_mb={option['budget_mb']} (MiB) cannot be met: the least this graph "

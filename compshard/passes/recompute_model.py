@@ -11,9 +11,9 @@ alone, what ``memory_budget_mb="auto"`` trades against keeping buckets gathered.
 from __future__ import annotations
 
 import operator
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from enum import IntEnum
-from typing import Callable, Mapping
 
 import torch
 from torch import fx
@@ -179,7 +179,8 @@ def budget_levels(policy: Policy, budget_bytes: int) -> tuple[dict[str, Level], 
                 if freed <= 0:
                     continue
                 added = max(trial.recompute_seconds - plan.recompute_seconds, 1e-12)
-                rank = (trial.saved_bytes <= budget_bytes, -added if trial.saved_bytes <= budget_bytes else freed / added)
+                fits = trial.saved_bytes <= budget_bytes
+                rank = (fits, -added if fits else freed / added)
                 if best is None or rank > best[0]:
                     best = (rank, trial_levels, trial)
         if best is None:

@@ -8,16 +8,30 @@ from __future__ import annotations
 
 import math
 import operator
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import fx
 
-from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta
+from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta, ScheduledKind
 from compshard.ops import ShardLayout, group_size, reduce_scatters_by_exchange
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
-    FakeValues, aten, c10d, collective_members, compshard_ops, emit, first_arg, first_use, is_op, is_view, node_order,
-    prims, reduce_grad_args, sink_before,
+    FakeValues,
+    aten,
+    c10d,
+    collective_members,
+    compshard_ops,
+    emit,
+    first_arg,
+    first_use,
+    is_op,
+    is_view,
+    node_order,
+    prims,
+    reduce_grad_args,
+    sink_before,
 )
 
 
@@ -40,7 +54,7 @@ def _lower_alone(graph: fx.Graph, node: fx.Node, label: str, fake_values: FakeVa
     nbytes = grad.meta["val"].numel() * dtype.itemsize
     labels = [f"{label}.{i}" if i else label for i in range(len(groups))]  # one per collective
 
-    def add(target, node_args: tuple, kind: str, collective: str = label) -> fx.Node:
+    def add(target: Any, node_args: tuple, kind: ScheduledKind, collective: str = label) -> fx.Node:
         meta = NodeMeta(kind, (param,), nbytes if kind != "unpack" else 0, collective)
         return emit(graph, target, node_args, meta=meta, fake_values=fake_values)
 
@@ -68,12 +82,21 @@ def _only_views_to_output(node: fx.Node) -> bool:
     return is_view(node) and all(u.op == "output" or _only_views_to_output(u) for u in node.users)
 
 
+@dataclass(frozen=True)
+class _Handoff:
+    """A reduce-scatter followed by an all-reduce across replicas: the reduce-scatter's
+    start, its wait with the nodes that finish the reduction, and the all-reduce's start."""
+
+    start: fx.Node
+    waited: tuple[fx.Node, ...]
+    across: fx.Node
+
+
 def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]], label: str,
-                      fake_values: FakeValues | None) -> tuple[fx.Node, ...] | None:
+                      fake_values: FakeValues | None) -> _Handoff | None:
     """Reduce-scatter the buckets of ``group`` (usually one; several when coalesced) within
     the shard group (when it has more than one rank), then all-reduce across the replica
-    group (when there is one). Returns, for both, the reduce-scatter's start, its wait with
-    the nodes that finish the reduction, and the all-reduce's start."""
+    group (when there is one), which is returned."""
     members = [member for _, bucket_members in group for member in bucket_members]
     bucket_names = tuple(bucket.name for bucket, _ in group)
     first, *_ = member_args = [reduce_grad_args(member) for member in members]
@@ -88,10 +111,10 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
     exchange = world_size > 1 and reduce_scatters_by_exchange(group_name, first.grad.meta["val"].device)
     reduced_label = label if replicas == 1 else f"{label}.replicas"  # the collective whose result is unpacked
 
-    def meta(kind: str, params: list[str], size: int, collective: str = label) -> NodeMeta:
+    def meta(kind: ScheduledKind, params: list[str], size: int, collective: str = label) -> NodeMeta:
         return NodeMeta(kind, tuple(params), int(size), collective, bucket_names)
 
-    def add(target, node_args: tuple, node_meta: NodeMeta) -> fx.Node:
+    def add(target: Any, node_args: tuple, node_meta: NodeMeta) -> fx.Node:
         return emit(graph, target, node_args, meta=node_meta, fake_values=fake_values)
 
     order = node_order(graph)
@@ -138,7 +161,7 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
         if world_size > 1 and replicas > 1:
             across = add(c10d.all_reduce.default, (reduced, "sum", replicate_group),
                          meta("all_reduce", names, shard_bytes, reduced_label))
-            handoff = (start, tuple(waited), across)
+            handoff = _Handoff(start, tuple(waited), across)
             reduced = add(c10d.wait_tensor.default, (across,), meta("wait", names, shard_bytes, reduced_label))
         unpacked = add(compshard_ops.reduce_scatter_copy_out.default,
                        (reduced, shard_numels, [math.prod(v.shape) for v in locals_], locals_[0].dtype),
@@ -153,17 +176,17 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
     return handoff
 
 
-def _hand_off_early(graph: fx.Graph, handoffs: list[tuple[fx.Node, ...]]) -> None:
+def _hand_off_early(graph: fx.Graph, handoffs: list[_Handoff]) -> None:
     """Wait each reduce-scatter and start its all-reduce across replicas just before the
     next bucket's reduce-scatter is packed, instead of at the end: one bucket of backward
     compute hides the reduce-scatter, the rest of it the all-reduce."""
     order = node_order(graph)
-    handoffs = sorted(handoffs, key=lambda h: order[h[0]])
-    for (_, waited, across), (next_start, _, _) in zip(handoffs, handoffs[1:]):
-        next_pack = first_arg(next_start)
-        (across_wait,) = across.users
+    handoffs = sorted(handoffs, key=lambda h: order[h.start])
+    for handoff, following in zip(handoffs, handoffs[1:]):
+        next_pack = first_arg(following.start)
+        (across_wait,) = handoff.across.users
         if order[across_wait] > order[next_pack]:  # its result is not needed before then
-            for node in (*waited, across):
+            for node in (*handoff.waited, handoff.across):
                 next_pack.prepend(node)
 
 
