@@ -20,11 +20,6 @@ the cuts agree), with the same schedule and micro-batches, in the same processes
 - compshard-per-microbatch: the same with reshard="per_microbatch": each micro-batch's
   compiled forward and backward gather the buckets they read (only those held).
 - compshard-eager: compshard with compile=False.
-- compshard-gloo: compshard on a (pp, dp) mesh of its own whose compshard exchanges go
-  through gloo's sockets (harness.open_through_gloo), as FSDP2's do. Where each rank of
-  the job has a core, compshard moves its gathers' and reductions' rows through shared
-  memory; with more processes than cores (4 on 2) it keeps gloo, and both rows measure
-  the same transport.
 - fsdp2: each stage module (the same FX graph module compshard.pipeline builds) is one
   torch.distributed.fsdp.fully_shard unit (its submodules hold attributes and are never
   called, so a unit per block would never gather) run by torch.distributed.pipelining's
@@ -67,7 +62,7 @@ from typing import Callable, NamedTuple
 
 from cli import add_workload_arguments, make_parser, parse_options, parse_systems, parse_workload_arguments
 
-SYSTEM_NAMES = ("compshard", "compshard-per-microbatch", "compshard-eager", "compshard-gloo", "fsdp2")
+SYSTEM_NAMES = ("compshard", "compshard-per-microbatch", "compshard-eager", "fsdp2")
 SCHEDULE_NAMES = ("1f1b", "gpipe")  # compshard.pipeline.SCHEDULES (checked below)
 LOSS_RTOL = 1e-5
 
@@ -108,8 +103,7 @@ from compshard.models import GPTConfig  # noqa: E402
 from compshard.pipeline import SCHEDULES, StepLoss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
 from compshard.pipeline_stages import Partition, build_stage_module, partition_stages  # noqa: E402
 from harness import (  # noqa: E402
-    held_outside_tensors, init_distributed, make_workload, open_through_gloo, peak_tensor_bytes, progress, state_bytes,
-    through_gloo, write_results)
+    init_distributed, make_workload, peak_tensor_bytes, progress, state_bytes, write_results)
 
 assert set(SCHEDULES) == set(SCHEDULE_NAMES), "SCHEDULE_NAMES lists compshard.pipeline.SCHEDULES for --help"
 
@@ -154,9 +148,6 @@ def build_system(name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.T
                  device: torch.device) -> System:
     if name == "fsdp2":
         return build_fsdp2(model, batch, mesh, args, device)
-    if through_gloo(name):
-        mesh = init_device_mesh(device.type, tuple(mesh.shape), mesh_dim_names=mesh.mesh_dim_names)  # new groups
-        open_through_gloo([mesh["pp"].get_group(), mesh["dp"].get_group()])
     reshard = "per_microbatch" if name == "compshard-per-microbatch" else "per_step"
     return build_compshard(model, batch, mesh, args, compiled=name != "compshard-eager", reshard=reshard)
 
@@ -240,8 +231,7 @@ def main(args: argparse.Namespace) -> None:
     peaks: dict[str, int] = {}
     for name, system in systems.items():
         dist.barrier()
-        peaks[name] = peak_tensor_bytes(system.step, device,
-                                        state_bytes(system.stage, system.opt) + held_outside_tensors(name))
+        peaks[name] = peak_tensor_bytes(system.step, device, state_bytes(system.stage, system.opt))
         progress(f"  {name}: peak tensor memory {peaks[name] / 2**20:.1f} MiB")
 
     per_rank: list = [None] * world_size

@@ -15,11 +15,8 @@ rank training on its own local batch with no communication, so it is the compute
 bound under the same CPU/GPU contention as the real runs. --options (JSON) go to the
 compshard backend as compile options; "compshard-auto" is compshard with
 memory_budget_mb="auto" over them (buckets kept gathered into backward in room freed by
-recompute, within eager FSDP2's estimated peak). "compshard-gloo" and "compshard-auto-gloo"
-are the same two with compshard's collectives on gloo's sockets (a process group of their
-own, opened with COMPSHARD_SHARED_MEMORY=0), as FSDP2's and DDP's are: where the ranks
-share a host, the plain compshard systems move their rows through shared memory, so the
-pair tells the compiler's schedule from the transport.
+recompute, within eager FSDP2's estimated peak). Every system's collectives go through
+the same transport (gloo's sockets on CPU, NCCL on GPUs).
 
 Per system it reports the median step time (the largest per-rank median) and its ratio
 to eager FSDP2, tokens/s (global batch tokens / median step), the per-rank peak memory
@@ -32,9 +29,7 @@ parameters + gradients + optimizer state per rank, the final loss, and:
   ranks. Where the collectives come from:
     compshard: compshard.inspect on a freshly sharded copy (its report's all-gathers,
       reduce-scatters and all-reduces; on gloo its reduce-scatters are all-to-alls and a
-      local sum, and its all-gathers sends and receives of the rows, or the rows through
-      shared memory where the ranks share a host: replayed as such, a "-gloo" system's on
-      its own group, through gloo).
+      local sum, and its all-gathers sends and receives of the rows: replayed as such).
     FSDP2 (eager and compiled alike): from the fully_shard units of a freshly wrapped
       copy: one all-gather per unit in forward, one more in backward for every unit
       resharded after forward (all but the root), one reduce-scatter per unit; sizes are
@@ -155,7 +150,7 @@ from torch.distributed.fsdp import FSDPModule  # noqa: E402
 import compshard  # noqa: E402
 from compshard.ops import all_gather_rows, exchange_rows, sum_rows  # noqa: E402
 from harness import (  # noqa: E402
-    COMPSHARD_SYSTEMS, SYSTEMS, LlamaShape, Result, compute_only, flops_per_token, gloo_mesh, mib, progress, start_workload, through_gloo, train,
+    COMPSHARD_SYSTEMS, SYSTEMS, LlamaShape, Result, compute_only, flops_per_token, mib, progress, start_workload, train,
     wrap_fsdp2, write_results,
 )
 
@@ -246,12 +241,6 @@ def step_collectives(
     if system == "ddp":
         return ddp_collectives(reference)
     raise ValueError(f"no collective derivation for system {system!r}")
-
-
-def replay_group(system: str, device: torch.device) -> dist.ProcessGroup:
-    """The group ``system``'s collectives run on: a "-gloo" system's own (shared memory
-    off), else the default group."""
-    return gloo_mesh(device.type).get_group() if through_gloo(system) else dist.group.WORLD
 
 
 def replay_seconds(
@@ -391,7 +380,7 @@ def main(args: argparse.Namespace) -> None:
             comm_times = []
             progress(f"  {system}: {len(collectives[system])} collectives per step (fake process group: not replayed)")
         else:
-            comm_times = replay_seconds(collectives[system], device, args.comm_repeats, replay_group(system, device))
+            comm_times = replay_seconds(collectives[system], device, args.comm_repeats, dist.group.WORLD)
             progress(f"  {system}: {len(collectives[system])} collectives per step, "
                      f"alone {statistics.median(comm_times) * 1e3:.1f} ms")
         rows[system] = gather_row(results[system], collectives[system], comm_times)

@@ -11,8 +11,7 @@ import json
 from typing import Sequence
 
 # harness.SYSTEMS holds the functions under these names (checked there).
-SYSTEM_NAMES = ("compshard", "compshard-auto", "compshard-gloo", "compshard-auto-gloo", "fsdp2", "fsdp2+compile",
-                "fsdp2+compile-blocks", "ddp")
+SYSTEM_NAMES = ("compshard", "compshard-auto", "fsdp2", "fsdp2+compile", "fsdp2+compile-blocks", "ddp")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):

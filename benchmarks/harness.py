@@ -11,9 +11,8 @@ runs one step's forward and the parameters for the optimizer.
 Measured per system: the global-mean loss of every step, the median step time (forward,
 backward, optimizer step; ranks aligned by a barrier before each step, warm-up steps not
 counted), and per-rank memory: the peak bytes of CPU/GPU tensors during one extra,
-profiled forward and backward (the bytes held at its start, compshard's shared-memory
-slots included, plus the largest rise of the allocator's allocations, from the
-profiler's allocation events) and the bytes of
+profiled forward and backward (the bytes held at its start plus the largest rise of the
+allocator's allocations, from the profiler's allocation events) and the bytes of
 parameters + gradients + optimizer state this rank holds.
 """
 
@@ -82,55 +81,15 @@ def wrap_compshard(model: nn.Module, mesh: DeviceMesh | None = None, param_dtype
     return torch.compile(model, backend="compshard", options=compile_options or None)
 
 
-def open_through_gloo(groups: list[dist.ProcessGroup]) -> None:
-    """Open compshard's row exchange of each group with shared memory turned off
-    (``COMPSHARD_SHARED_MEMORY=0`` while they open; the choice is made once per group), so
-    compshard's collectives on them go through gloo's sockets, as FSDP2's and DDP's do.
-    Collective over each group."""
-    setting = os.environ.get("COMPSHARD_SHARED_MEMORY")
-    os.environ["COMPSHARD_SHARED_MEMORY"] = "0"
-    try:
-        for group in groups:
-            compshard.shared_memory.shared_rows(group)
-    finally:
-        if setting is None:
-            del os.environ["COMPSHARD_SHARED_MEMORY"]
-        else:
-            os.environ["COMPSHARD_SHARED_MEMORY"] = setting
-
-
-@functools.cache
-def gloo_mesh(device_type: str) -> DeviceMesh:
-    """A 1-D mesh of every rank on a process group of its own whose compshard exchanges go
-    through gloo's sockets (:func:`open_through_gloo`). Collective on the first call."""
-    group = dist.new_group()
-    open_through_gloo([group])
-    return DeviceMesh.from_group(group, device_type)
-
-
-GLOO = "-gloo"  # suffix of a system whose compshard collectives go through gloo's sockets
-
-
-def through_gloo(system: str) -> bool:
-    """Whether ``system`` runs compshard's collectives on a group of its own through gloo's
-    sockets (``gloo_mesh``), as FSDP2's and DDP's go, instead of the transport compshard
-    picks (shared memory between ranks on one host): a table then tells the compiler's
-    schedule from the transport."""
-    return system.endswith(GLOO)
-
-
-# The systems compshard compiles, and the options each sets over the caller's (--options);
-# each also runs through gloo's sockets under its name + GLOO.
+# The systems compshard compiles, and the options each sets over the caller's (--options).
 COMPSHARD_SYSTEMS = {"compshard": {}, "compshard-auto": {"memory_budget_mb": "auto"}}
-COMPSHARD_SYSTEMS |= {name + GLOO: options for name, options in COMPSHARD_SYSTEMS.items()}
 
 
 def _compshard_system(name: str) -> Wrap:
     options = COMPSHARD_SYSTEMS[name]
 
     def wrap(model: nn.Module, param_dtype: torch.dtype | None = None, **compile_options) -> Callable:
-        mesh = gloo_mesh(next(model.parameters()).device.type) if through_gloo(name) else None
-        return wrap_compshard(model, mesh, param_dtype, **{**compile_options, **options})
+        return wrap_compshard(model, None, param_dtype, **{**compile_options, **options})
 
     return wrap
 
@@ -221,14 +180,6 @@ def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
             if isinstance(t, torch.Tensor):
                 seen[id(t)] = t.to_local() if isinstance(t, DTensor) else t
     return sum(t.numel() * t.element_size() for t in seen.values())
-
-
-def held_outside_tensors(system: str) -> int:
-    """Bytes a system holds outside torch's allocator that its peak counts: for compshard's
-    systems, the shared-memory slots of every group this process has opened
-    (``compshard.shared_memory.held_bytes``; a system on groups of its own is also
-    charged for those of the systems before it); none for a system through gloo."""
-    return compshard.shared_memory.held_bytes() if system.startswith("compshard") and not through_gloo(system) else 0
 
 
 def peak_tensor_bytes(step: Callable[[], None], device: torch.device, held_at_start: int) -> int:
@@ -334,7 +285,7 @@ def _train_together(
     results = {}
     for name, run in runs.items():
         peak = peak_tensor_bytes(lambda: run.forward(*batch).backward(), device,
-                                 state_bytes(run.model, run.opt) + held_outside_tensors(name))
+                                 state_bytes(run.model, run.opt))
         held = state_bytes(run.model, run.opt)  # now with this step's gradients
         run.opt.zero_grad(set_to_none=True)
         results[name] = Result(name, losses[name], times[name], peak, held)

@@ -1,6 +1,6 @@
 """Whether the other ranks are alive, and what stopped them: every wait on peers asks here.
 
-A rank that waits for others (a shared-memory round, a compile-time exchange through the
+A rank that waits for others (a collective on gloo, a compile-time exchange through the
 c10d store) must notice within seconds that the rank it waits for failed or died, and
 say which rank and why, whatever the process layout: a killed rank may stay a zombie
 until its parent reaps it, and ranks in separate PID namespaces cannot see each other's
@@ -8,8 +8,7 @@ processes, so process ids tell nothing. Instead each rank of a job with more tha
 rank publishes, from the moment it shards a model or first exchanges:
 
 - a **heartbeat**: a daemon thread bumps a counter every :data:`BEAT_SECONDS` in the
-  default store (``compshard/beat/<rank>``) and in every shared-memory file the rank
-  maps (:mod:`compshard.shared_memory`). A waiter that sees a peer's counter unchanged
+  default store (``compshard/beat/<rank>``). A waiter that sees a peer's counter unchanged
   for :data:`STALE_SECONDS` reports it dead or hung. The store's beat also says whether
   the rank has been waiting in a collective of a process group for over a second
   (:func:`blocked`), which a rank waiting for it at compile time reads: a rank blocked
@@ -18,7 +17,7 @@ rank publishes, from the moment it shards a model or first exchanges:
   beats: :data:`DEADLOCK_SECONDS`) instead of after a timeout.
 - its **failure**: the first error a compshard wait raised on it, an uncaught exception
   (``sys.excepthook``), or, at interpreter exit, that it exited
-  (``compshard/failed/<rank>`` in the store, and a state word in the shared files).
+  (``compshard/failed/<rank>`` in the store).
   The first one published is kept: it is the cause, later ones follow from it.
 
 Only a rank that neither beats nor publishes (killed before it sharded anything) is
@@ -35,7 +34,7 @@ import threading
 import time
 import types
 from dataclasses import dataclass
-from typing import Callable, Iterator, Protocol
+from typing import Callable, Iterator
 
 import torch.distributed as dist
 
@@ -82,14 +81,6 @@ class Failure:
         return RankFailed(f"compshard: rank {self.rank} {what} (this rank {context})")
 
 
-class Sink(Protocol):
-    """Where a rank publishes besides the store (a shared-memory file it maps)."""
-
-    def beat(self) -> None: ...
-
-    def publish(self, failure: Failure) -> None: ...
-
-
 @dataclass
 class _Process:
     """This process's publishing state."""
@@ -101,7 +92,6 @@ class _Process:
 
 
 _state: _Process | None = None
-_sinks: list[Callable[[], Sink | None]] = []  # weak references to the shared-memory files
 _blocked: dict[int, tuple[str, float, int]] = {}  # thread id -> (group name, since, wait number)
 _waits = itertools.count()
 _lock = threading.Lock()
@@ -133,15 +123,6 @@ def start() -> None:
     _beat_once()
 
 
-def add_sink(sink: Callable[[], Sink | None]) -> None:
-    """Publish to ``sink()`` too (a weak reference: None once it is gone)."""
-    with _lock:
-        _sinks.append(sink)
-    live = sink()
-    if live is not None and _state is not None and _state.published is not None:
-        live.publish(_state.published)
-
-
 def publish_failure(message: str, kind: str) -> None:
     """Publish this rank's failure (``kind``: one of :data:`KINDS`), unless it published one
     already (that one is the cause)."""
@@ -151,11 +132,7 @@ def publish_failure(message: str, kind: str) -> None:
     with _lock:
         if state.published is not None:
             return
-        state.published = failure = Failure(state.rank, kind, message)
-        sinks = [sink() for sink in _sinks]
-    for sink in sinks:
-        if sink is not None:
-            sink.publish(failure)
+        state.published = Failure(state.rank, kind, message)
     with contextlib.suppress(Exception):  # the store may be gone with its host
         state.store.set(f"{_FAILED_KEY}{state.rank}", f"{kind}|{message}")
 
@@ -174,20 +151,11 @@ def publish_error(error: BaseException) -> None:
 def blocked(group_name: str) -> Iterator[None]:
     """Within the block this thread waits in a collective of ``group_name``; a wait of over
     :data:`BLOCKED_SECONDS` shows in the heartbeat."""
-    block(group_name)
+    _blocked[threading.get_ident()] = (group_name, time.monotonic(), next(_waits))
     try:
         yield
     finally:
-        unblock()
-
-
-def block(group_name: str) -> None:
-    """:func:`blocked`'s start, for a wait loop that enters it only once it is slow."""
-    _blocked[threading.get_ident()] = (group_name, time.monotonic(), next(_waits))
-
-
-def unblock() -> None:
-    _blocked.pop(threading.get_ident(), None)
+        _blocked.pop(threading.get_ident(), None)
 
 
 def _blocked_on() -> str:
@@ -203,12 +171,6 @@ def _beat_once() -> None:
     if state is None or not dist.is_initialized():  # no beat into the store of a destroyed group
         return
     state.beats += 1
-    with _lock:
-        _sinks[:] = [ref for ref in _sinks if ref() is not None]
-        sinks = [sink() for sink in _sinks]
-    for sink in sinks:
-        if sink is not None:
-            sink.beat()
     with contextlib.suppress(Exception):
         state.store.set(f"{_BEAT_KEY}{state.rank}", f"{state.beats}|{_blocked_on()}")
 

@@ -18,8 +18,7 @@
     Starts an all-gather in place on gloo (see :func:`all_gathers_by_send_recv`): every
     rank sends its row of the rank-major ``buffer`` (its own row filled) to every other
     rank and receives theirs. Returns ``buffer``; ``_c10d_functional.wait_tensor`` on it
-    waits for every send and receive. Where the group's ranks share a host, the rows go
-    through shared memory instead (:mod:`compshard.shared_memory`).
+    waits for every send and receive.
 ``compshard::exchange_rows_(buffer)``
     Starts the all-to-all of a sum reduce-scatter run as an exchange on gloo (see
     :func:`reduce_scatters_by_exchange`), in place: row ``p`` of the rank-major
@@ -51,16 +50,16 @@ along dim 0, i.e. DTensor ``Shard(0)``. 0-d parameters are replicated instead.
 
 from __future__ import annotations
 
-import math
 import contextlib
+import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Callable, Iterator, NamedTuple, Sequence
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 
 from compshard import liveness
-from compshard.shared_memory import shared_rows
 
 __all__ = ["ShardLayout", "UnshardArgs", "ReduceGradArgs", "GRAD_SYNC_MODES"]
 
@@ -117,9 +116,9 @@ def group_rank(group_name: str) -> int:
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import _resolve_process_group
+    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
 
-    return _resolve_process_group(group_name)
+    return _resolve_process_group(GroupName(group_name))
 
 
 def group_size(group_name: str) -> int:
@@ -159,9 +158,8 @@ def reduce_scatters_by_exchange(group_name: str, device: torch.device) -> bool:
     buffer (``compshard::exchange_rows_``, in place) followed by a local sum of the
     ``world_size`` received rows. gloo (torch 2.11 to 2.13) runs ``reduce_scatter_tensor``
     as an all-reduce of the whole buffer, which moves twice the bytes of the all-to-all
-    and reduces every element on every rank. Where the group's ranks share a host the
-    exchange goes through shared memory (:mod:`compshard.shared_memory`). Elsewhere gloo's
-    all-to-all receives into a temporary, which the in-place op's wait copies back;
+    and reduces every element on every rank. gloo's all-to-all receives into a
+    temporary, which the in-place op's wait copies back;
     eager reductions send and receive the rows instead, and read them once
     (:func:`exchanged_rows`).
     The sum adds the ranks' rows in rank order: at two ranks the result is the same
@@ -175,10 +173,7 @@ def all_gathers_by_send_recv(group_name: str, device: torch.device) -> bool:
     every other rank and receives theirs into their rows. gloo (torch 2.11 to 2.13)
     receives an all-gather into two temporaries of its output's size and then copies
     them into the output; the sends and receives allocate nothing and copy nothing (the
-    same bytes either way, the same gathered bits). Where every rank of the group is on
-    one host, the op
-    moves the rows through shared memory instead (:mod:`compshard.shared_memory`).
-    """
+    same bytes either way, the same gathered bits)."""
     return backend_name(group_name, device) == "gloo"
 
 
@@ -203,10 +198,6 @@ torch.library.define("compshard::gather_rows_", "(Tensor(a!) buffer, int world_s
 def _gather_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     rows = buffer.view(world_size, -1)
     group = resolve_group(group_name)
-    shared = shared_rows(group)
-    if shared is not None:  # ranks on one host: through shared memory
-        torch._C._distributed_c10d._register_work(buffer, shared.start_all_gather(rows))
-        return buffer
     rank = group.rank()
     works = []
     for to, source in _peers(rank, world_size):
@@ -226,14 +217,9 @@ torch.library.define("compshard::exchange_rows_",
 
 @torch.library.impl("compshard::exchange_rows_", "CompositeExplicitAutograd")
 def _exchange_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
-    rows = buffer.view(world_size, -1)
     group = resolve_group(group_name)
-    shared = shared_rows(group)
-    if shared is not None:
-        work = shared.start_all_to_all(rows)
-    else:  # gloo's all-to-all cannot receive into the buffer it sends from
-        received = torch.empty_like(buffer)
-        work = _CopiedBack(_Watched([group.alltoall_base(received, buffer, [], [])], group_name), received, buffer)
+    received = torch.empty_like(buffer)  # gloo's all-to-all cannot receive into the buffer it sends from
+    work = _CopiedBack(_Watched([group.alltoall_base(received, buffer, [], [])], group_name), received, buffer)
     torch._C._distributed_c10d._register_work(buffer, work)
     return buffer
 
@@ -253,15 +239,12 @@ def exchange_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> tor
 def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> list[torch.Tensor]:
     """The rows rank ``p`` sent this rank (entry ``p``; ``buffer``'s ``world_size`` equal
     rows are what this rank sends), for a caller that reads them once (eager
-    reductions). Through shared memory, ``buffer`` exchanged in place
-    (:func:`exchange_rows`). Else sends and receives on gloo, as the all-gather's
+    reductions): sends and receives on gloo, as the all-gather's
     (``compshard::gather_rows_``): each other rank's row received into a new tensor, this
     rank's own row read where it lies in ``buffer``: gloo's all-to-all would copy the own
     row into its output too, and the in-place op copies all of its output back.
     ``buffer`` may be overwritten."""
     group = resolve_group(group_name)
-    if shared_rows(group) is not None:
-        return list(exchange_rows(buffer, world_size, group_name).view(world_size, -1))
     rows = buffer.view(world_size, -1)
     rank = group.rank()
     received = rows.new_empty((world_size - 1, rows.shape[1]))  # row s - 1: from rank - s (step s)
@@ -276,16 +259,21 @@ def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> li
 class _Watched(dist.Work):
     """gloo works waited as one, the wait marked as blocked in a collective of
     ``group_name`` (:func:`compshard.liveness.blocked`: a rank waiting to compile a graph
-    this rank does not run learns so at once)."""
+    this rank does not run learns so at once). A wait that fails raises the failure of the
+    rank that caused it (:func:`compshard.liveness.raise_published`), compiled or not."""
 
     def __init__(self, works: list[dist.Work], group_name: str) -> None:
         super().__init__()
         self._works, self._group_name = works, group_name
 
     def wait(self, timeout: object = None) -> bool:  # noqa: ARG002 - the process group's own timeout applies
-        with liveness.blocked(self._group_name):
-            for work in self._works:
-                work.wait()
+        try:
+            with liveness.blocked(self._group_name):
+                for work in self._works:
+                    work.wait()
+        except Exception as error:  # a closed connection: name the rank that failed, as compiled graphs do
+            liveness.raise_published(error)
+            raise
         return True
 
 
@@ -316,31 +304,33 @@ def all_gather_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> t
 
 class UnshardArgs(NamedTuple):
     """``compshard::unshard``'s arguments by name (passes read them with
-    ``compshard.passes.fx_utils.unshard_args``)."""
+    ``compshard.passes.fx_utils.unshard_args``). ``shard`` and ``grad_sink`` are tensors
+    where the op runs and the nodes computing them in a graph."""
 
-    shard: object
-    full_shape: list
+    shard: Any
+    full_shape: list[int]
     world_size: int
     group_name: str
     param: str
-    param_dtype: object
-    reduce_dtype: object
+    param_dtype: torch.dtype | None
+    reduce_dtype: torch.dtype | None
     reshard_after_forward: bool
     replicate_group: str
     grad_sync: str
-    grad_sink: object
+    grad_sink: Any
 
 
 class ReduceGradArgs(NamedTuple):
-    """``compshard::reduce_grad``'s arguments by name."""
+    """``compshard::reduce_grad``'s arguments by name (``grad``: a tensor, or in a graph
+    the node computing it)."""
 
-    grad: object
-    full_shape: list
+    grad: Any
+    full_shape: list[int]
     world_size: int
     group_name: str
     param: str
-    reduce_dtype: object
-    shard_dtype: object
+    reduce_dtype: torch.dtype | None
+    shard_dtype: torch.dtype
     replicate_group: str
 
 
@@ -475,7 +465,8 @@ def sum_rows(rows: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | No
     reduce-scatter gives, where ``sum(0)`` gives ``+0.0``)."""
     if len(rows) == 2:
         return torch.add(rows[0], rows[1], out=out)
-    total = (rows if isinstance(rows, torch.Tensor) else torch.stack(list(rows))).sum(0)  # (out= would sum in its dtype)
+    stacked = rows if isinstance(rows, torch.Tensor) else torch.stack(list(rows))
+    total = stacked.sum(0)  # (out= would sum in its dtype)
     return total if out is None else out.copy_(total)
 
 
@@ -628,7 +619,7 @@ def _(reduced, shard_numels, local_numels, dtype):
 # Python custom op costs tens of microseconds a call, which a launch-bound GPU step
 # (dozens of bucket copies and frees) pays on its critical path. Under the profiler the
 # call still records the op's name, so traces show the same ranges.
-_DIRECT_IMPLEMENTATIONS = {
+_DIRECT_IMPLEMENTATIONS: dict[torch._ops.OpOverload, Callable[..., Any]] = {
     torch.ops.compshard.free.default: _free,
     torch.ops.compshard.all_gather_copy_in.default: _all_gather_copy_in,
     torch.ops.compshard.all_gather_copy_out.default: _all_gather_copy_out,
@@ -640,9 +631,9 @@ _DIRECT_IMPLEMENTATIONS = {
 def direct_call(target: Callable) -> Callable:
     """What a graph runner calls for a node of ``target``: the implementation itself for
     compshard's bucket copies and ``free`` (see [Note: direct calls]), else ``target``."""
-    implementation = _DIRECT_IMPLEMENTATIONS.get(target)
-    if implementation is None:
+    if not isinstance(target, torch._ops.OpOverload) or target not in _DIRECT_IMPLEMENTATIONS:
         return target
+    implementation = _DIRECT_IMPLEMENTATIONS[target]
     name = target.name()
 
     def call(*args, **kwargs):

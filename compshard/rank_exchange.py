@@ -12,8 +12,7 @@ that beats while it waits in a collective of the exchange's process group is run
 graph this rank did not compile (only this rank recompiled: its input shapes or dtypes
 changed): it can never reach this exchange, so the wait ends at once with the
 ``ScheduleError`` saying so. A rank that stops with an error publishes it: the other
-ranks, waiting for it in a shared-memory round, raise the same error; blocked in a gloo
-collective, they fail once its process exits and report it
+ranks, blocked in a collective with it, fail once its process exits and report it
 (:func:`raise_if_a_rank_stopped`) instead of a bare transport error. Only a rank that
 beats and never arrives is waited for up to :data:`STORE_TIMEOUT` (a rank may reach the
 same compile minutes later: a large model's compile on a busy host).
@@ -55,7 +54,7 @@ def exchange_across_ranks(namespace: str, group_name: str, value: object, what: 
     liveness.start()
     default_store = dist.distributed_c10d._get_default_store()
     store = dist.PrefixStore(f"{key}/{sequence}/", default_store)
-    store.set(str(rank), pickle.dumps(value))
+    store.set(str(rank), pickle.dumps(value))  # type: ignore[arg-type]  # it takes bytes; torch's stubs say str
     try:
         _wait_for_everyone(store, default_store, group, group_name, f"{what} (#{sequence} on this process group)")
     except BaseException as error:

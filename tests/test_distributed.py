@@ -16,7 +16,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import compshard
-from compshard import cost_model, ops, shared_memory
+from compshard import cost_model, ops
 from compshard.compile_plan import COLLECTIVE_KINDS, NodeMeta, node_meta
 from compshard.passes.fx_utils import aliases, gathered_buffers
 from tests.allocations import allocations, peak_rise
@@ -302,7 +302,7 @@ def _auto_budget(model, batch: tuple, rank: int, world_size: int) -> dict:
 
 
 def schedule_worker(rank: int, world_size: int) -> dict:
-    results = {"scratch": _scratch_check(world_size), "shared_memory": shared_memory.usable_here(world_size)}
+    results = {"scratch": _scratch_check(world_size)}
     model, batch = make_model("gpt")
     local = tuple(t.chunk(world_size)[rank] for t in batch)
     report = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, profile=True)
@@ -475,9 +475,8 @@ def test_memory_estimate_counts_the_backend_scratch_of_collectives(schedule_resu
     for result in schedule_results:
         for kind, (measured, estimated) in result["scratch"].items():
             assert estimated == measured, (kind, measured, estimated)
-            # in place: nothing; the all-to-all receives into a temporary where shared memory is not used
-            in_place = kind == "gather_rows" or (kind == "exchange_rows" and result["shared_memory"])
-            assert (measured == 0) if in_place else (measured > 0), (kind, measured)
+            # in place: nothing; gloo's all-to-all receives into a temporary
+            assert (measured == 0) if kind == "gather_rows" else (measured > 0), (kind, measured)
 
 
 def test_all_gathers_on_gloo_are_sends_and_receives_into_the_rows(schedule_results):

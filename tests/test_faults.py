@@ -1,13 +1,12 @@
 """Faults end in seconds with the true cause; nothing trains or loads wrong numbers.
 
-Each test spawns two gloo ranks (shared memory on, and off with
-``COMPSHARD_SHARED_MEMORY=0``, where the transport matters), trains the tiny GPT and
+Each test spawns two gloo ranks, trains the tiny GPT and
 injects one fault at a chosen step on rank 1: killed (``SIGKILL``; the test does not reap
 it until the other rank has ended, so it stays a zombie meanwhile), an exception that
 ends its process, an exception it catches and goes on after, a batch of another size.
 The other rank must end within :data:`FAULT_SECONDS` of the fault with an error that
 names rank 1 (or the documented ``ScheduleError``); no rank may hang (every wait and join
-here has a deadline) and no shared-memory file of the run may stay in ``/dev/shm``.
+here has a deadline).
 Where nothing should fail (a parameter read on one rank), training must match the run
 without it.
 """
@@ -15,7 +14,6 @@ without it.
 from __future__ import annotations
 
 import datetime
-import glob
 import multiprocessing
 import os
 import signal
@@ -31,14 +29,13 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 import compshard
-from compshard import checkpoint, rank_exchange, shared_memory
+from compshard import checkpoint, rank_exchange
 from tests.models import make_model
 from tests.training import adamw, local_batch
 
 FAULT_SECONDS = 15  # every rank ends within this of the fault
 RUN_SECONDS = 120  # a whole spawn's deadline: past it the test fails, its processes killed
 FAULTY = 1  # the rank a fault is injected on
-SHARED = [pytest.param(True, id="shared-memory"), pytest.param(False, id="gloo")]
 
 
 class InjectedFault(Exception):
@@ -53,7 +50,6 @@ class Outcome:
     result: Any
     error: str | None  # "<type>: <message>" of what it raised
     ended: float  # time.time()
-    shared: bool  # its exchanges went through shared memory
 
 
 _run_dir = ""  # the spawned rank's run folder (set in _child)
@@ -75,12 +71,11 @@ def _fault(how: str) -> None:
     raise InjectedFault("injected")
 
 
-def _child(rank: int, world_size: int, run_dir: str, scenario: Callable, shared: bool, args: tuple) -> None:
+def _child(rank: int, world_size: int, run_dir: str, scenario: Callable, args: tuple) -> None:
     global _run_dir
     _run_dir = run_dir
     errors = os.open(os.path.join(run_dir, f"{rank}.err"), os.O_WRONLY | os.O_CREAT, 0o600)
     os.dup2(errors, 2)  # what a rank that aborts says (gloo's own checks end the process)
-    os.environ["COMPSHARD_SHARED_MEMORY"] = "1" if shared else "0"
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
@@ -92,7 +87,7 @@ def _child(rank: int, world_size: int, run_dir: str, scenario: Callable, shared:
         raise  # the faulty rank: its exception ends its process, as an uncaught one ends a script
     except Exception as caught:  # noqa: BLE001 - the outcome under test
         result, error = None, f"{type(caught).__name__}: {caught}"
-    outcome = Outcome(rank, result, error, time.time(), shared_memory.held_bytes() > 0)
+    outcome = Outcome(rank, result, error, time.time())
     torch.save(outcome, os.path.join(run_dir, f"{rank}.pt"))
     os._exit(0)  # no teardown: a failed group's may block
 
@@ -103,7 +98,6 @@ class Run:
     exited: list[float]  # by rank: when this process saw it end (time.time())
     stderr: list[str]  # by rank
     fault: float | None  # when the fault was injected
-    left_in_shm: list[str]  # shared-memory files of the run's processes still there
 
     def late_ranks(self) -> list[str]:
         """The ranks that ended more than FAULT_SECONDS after the fault, as complaints."""
@@ -116,12 +110,12 @@ class Run:
         return late
 
 
-def _run(scenario: Callable, shared: bool, *args: Any, world_size: int = 2) -> Run:
+def _run(scenario: Callable, *args: Any, world_size: int = 2) -> Run:
     """``scenario(rank, world_size, *args)`` on ``world_size`` spawned ranks. The faulty
     rank is joined last, so a killed one stays a zombie while the others run."""
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as run_dir:
-        processes = [context.Process(target=_child, args=(rank, world_size, run_dir, scenario, shared, args))
+        processes = [context.Process(target=_child, args=(rank, world_size, run_dir, scenario, args))
                      for rank in range(world_size)]
         for process in processes:
             process.start()
@@ -141,20 +135,16 @@ def _run(scenario: Callable, shared: bool, *args: Any, world_size: int = 2) -> R
                     else None for r in range(world_size)]
         fault_path = os.path.join(run_dir, "fault")
         fault = float(open(fault_path).read()) if os.path.exists(fault_path) else None
-        left = [path for process in processes for path in glob.glob(f"{shared_memory.FILE_PREFIX}{process.pid}-*")]
         stderr = [open(os.path.join(run_dir, f"{rank}.err")).read() for rank in range(world_size)]
-        return Run(outcomes, exited, stderr, fault, left)
+        return Run(outcomes, exited, stderr, fault)
 
 
-def _survivor(run: Run, shared: bool) -> Outcome:
-    """Rank 0's outcome, checked: it ended with an error within FAULT_SECONDS of the fault,
-    through the transport asked for, leaving no shared-memory file."""
+def _survivor(run: Run) -> Outcome:
+    """Rank 0's outcome, checked: it ended with an error within FAULT_SECONDS of the fault."""
     outcome = run.outcomes[0]
     assert outcome is not None, f"rank 0 ended without an outcome: {run.stderr[0][-2000:]}"
     assert outcome.error is not None, f"rank 0 did not fail: {outcome.result}"
     assert not run.late_ranks(), run.late_ranks()
-    assert outcome.shared == shared
-    assert not run.left_in_shm
     return outcome
 
 
@@ -168,9 +158,9 @@ def _sharded_gpt(compiled: bool = True) -> tuple[torch.nn.Module, Callable, tupl
 # ----------------------------------------------------------------- a rank dies or raises
 
 
-def _dies_mid_step(rank: int, world_size: int, step: int, how: str) -> list[float]:
+def _dies_mid_step(rank: int, world_size: int, step: int, how: str, compiled: bool = True) -> list[float]:
     """Train; at ``step`` the faulty rank faults between its forward and its backward."""
-    model, step_model, batch = _sharded_gpt()
+    model, step_model, batch = _sharded_gpt(compiled)
     optimizer = adamw(model)
     losses = []
     for current in range(step + 2):
@@ -184,11 +174,11 @@ def _dies_mid_step(rank: int, world_size: int, step: int, how: str) -> list[floa
     return losses
 
 
-@pytest.mark.parametrize("shared", SHARED)
-def test_a_killed_rank_is_named_within_seconds_while_a_zombie(shared):
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "uncompiled"])
+def test_a_killed_rank_is_named_within_seconds_while_a_zombie(compiled):
     """No process id is read: a zombie (and a rank in another PID namespace) is noticed
-    by its heartbeat in shared memory, by its closed sockets through gloo."""
-    outcome = _survivor(_run(_dies_mid_step, shared, 2, "kill"), shared)
+    by its heartbeat stopping, after its closed sockets fail the other rank's collective."""
+    outcome = _survivor(_run(_dies_mid_step, 2, "kill", compiled))
     assert "rank 1" in outcome.error, outcome.error
 
 
@@ -212,11 +202,10 @@ def _fails_while_the_others_compile(rank: int, world_size: int, how: str) -> Non
     step_model(*local_batch(batch, rank, world_size)).backward()
 
 
-@pytest.mark.parametrize(("shared", "how"), [(True, "raise"), (False, "kill")], ids=["shared-memory", "gloo"])
-def test_a_rank_that_fails_while_the_others_compile_is_named(shared, how):
+@pytest.mark.parametrize("how", ["raise", "kill"])
+def test_a_rank_that_fails_while_the_others_compile_is_named(how):
     """The compile-time exchange notices the failed rank in seconds, and does not blame shapes."""
-    run = _run(_fails_while_the_others_compile, shared, how)
-    outcome = _survivor(run, shared=False)  # rank 0 fails at compile time, before a shared-memory group opens
+    outcome = _survivor(_run(_fails_while_the_others_compile, how))
     assert "ScheduleError" not in outcome.error and "rank 1" in outcome.error, outcome.error
     cause = "rank 1 failed: InjectedFault: injected" if how == "raise" else "rank 1 stopped: no heartbeat"
     assert cause in outcome.error, outcome.error
@@ -240,14 +229,12 @@ def _batch_changes(rank: int, world_size: int, step: int) -> None:
         optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("shared", SHARED)
-def test_a_rank_whose_batch_changes_raises_the_schedule_error_everywhere(shared):
-    run = _run(_batch_changes, shared, 2)
+def test_a_rank_whose_batch_changes_raises_the_schedule_error_everywhere():
+    run = _run(_batch_changes, 2)
     for rank, outcome in enumerate(run.outcomes):
         assert outcome is not None and outcome.error is not None, f"rank {rank}: {outcome} {run.stderr[rank][-2000:]}"
         assert "ScheduleError: " in outcome.error and "dynamic=True" in outcome.error, outcome.error
     assert not run.late_ranks(), run.late_ranks()
-    assert not run.left_in_shm
 
 
 def _skips_a_batch(rank: int, world_size: int, step: int) -> None:
@@ -267,39 +254,14 @@ def _skips_a_batch(rank: int, world_size: int, step: int) -> None:
         optimizer.zero_grad()
 
 
-@pytest.mark.parametrize("shared", SHARED)
-def test_a_rank_that_skips_a_batch_ends_in_a_clear_error(shared):
-    """Through shared memory the ranks raise, naming the collectives that differ; through
-    gloo, gloo's own size check ends the process that receives the wrong size."""
-    run = _run(_skips_a_batch, shared, 2)
+def test_a_rank_that_skips_a_batch_ends_in_a_clear_error():
+    """gloo's own size check ends the process that receives the wrong size, saying so;
+    the other rank then fails naming it."""
+    run = _run(_skips_a_batch, 2)
     said = [outcome.error if outcome is not None else stderr for outcome, stderr in zip(run.outcomes, run.stderr)]
     assert all(said), said  # every rank raised, or aborted saying why
-    assert any("different collectives" in text or "collective mismatch" in text for text in said), said
+    assert any("collective mismatch" in text for text in said), said
     assert not run.late_ranks(), run.late_ranks()
-    assert not run.left_in_shm
-
-
-# ------------------------------------------------------------------------ shared-memory files
-
-
-def _dies_while_a_group_opens(rank: int, world_size: int) -> None:
-    """The faulty rank is killed once it has mapped the new group's file."""
-    mapped = shared_memory._map
-
-    def map_then_die(*args: Any, **kwargs: Any) -> torch.Tensor | None:
-        storage = mapped(*args, **kwargs)
-        if rank == FAULTY:
-            _fault("kill")
-        return storage
-
-    shared_memory._map = map_then_die
-    group = dist.new_group([0, 1], backend="gloo")
-    compshard.ops.all_gather_rows(torch.zeros(world_size, 4).view(-1), world_size, group.group_name)
-
-
-def test_a_rank_dying_while_a_group_opens_leaves_no_file():
-    run = _run(_dies_while_a_group_opens, True)
-    _survivor(run, shared=False)  # the group never opened
 
 
 # ----------------------------------------------------------------------------- checkpoints
@@ -326,7 +288,7 @@ def _dies_before_its_checkpoint_overwrite(rank: int, world_size: int, path: str)
 
 def test_a_checkpoint_overwrite_that_a_rank_dies_in_keeps_the_old_one_whole(tmp_path):
     path = str(tmp_path / "ckpt")
-    _survivor(_run(_dies_before_its_checkpoint_overwrite, False, path), shared=False)
+    _survivor(_run(_dies_before_its_checkpoint_overwrite, path))
     model, _ = make_model("gpt")
     checkpoint.load(path, model)
     expected = torch.load(path + ".expected")
@@ -375,9 +337,8 @@ def _reads_and_misuse(rank: int, world_size: int) -> dict:
     return results
 
 
-@pytest.mark.parametrize("shared", SHARED)
-def test_a_read_outside_forward_is_local_and_misuse_is_named(shared):
-    run = _run(_reads_and_misuse, shared)
+def test_a_read_outside_forward_is_local_and_misuse_is_named():
+    run = _run(_reads_and_misuse)
     results = [outcome.result if outcome is not None and outcome.error is None else outcome for outcome in run.outcomes]
     assert all(isinstance(result, dict) for result in results), results
     # the stored DTensor Parameter: this rank's rows of the (128, 32) weight, no gather

@@ -22,12 +22,18 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from compshard.sizes import nbytes
 from compshard.ops import backend_name
-from compshard.shared_memory import usable_here
 from compshard.passes.fx_utils import (
-    c10d, compshard_ops, first_arg, is_op, is_view, op_arg, producer, scheduled_kind,
+    c10d,
+    compshard_ops,
+    first_arg,
+    is_op,
+    is_view,
+    op_arg,
+    producer,
+    scheduled_kind,
 )
+from compshard.sizes import nbytes
 
 __all__ = ["HELD_OUTSIDE", "LiveProfile", "Storages", "backend_scratch_bytes", "live_bytes", "mark_held_outside",
            "storages"]
@@ -51,7 +57,7 @@ def mark_held_outside(forward: fx.Graph, backward: fx.Graph) -> None:
             node.meta[HELD_OUTSIDE] = True
 
 
-def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bool) -> fx.Node | None:
+def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node | None], count_inputs: bool) -> fx.Node | None:
     if node.op == "placeholder" and (not count_inputs or node.meta.get(HELD_OUTSIDE)):
         return None
     if isinstance(node.meta.get("val"), (list, tuple)):
@@ -61,7 +67,7 @@ def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node], count_inputs: bo
         parent = first_arg(aliased)
         return roots.get(parent) if isinstance(parent, fx.Node) else None
     if "out" in node.kwargs:  # an out= op (the in-place all-gather) writes its out buffer
-        return roots.get(node.kwargs["out"])
+        return roots.get(op_arg(node, "out"))
     if is_op(node, compshard_ops.gather_rows_.default, compshard_ops.exchange_rows_.default):  # in place, on gloo
         return roots.get(first_arg(node))
     return node
@@ -74,8 +80,7 @@ def backend_scratch_bytes(start: fx.Node) -> int:
     then copies them into the output; a reduce-scatter reduces a copy of its input; an
     all-reduce allocates nothing beyond its output. The in-place all-to-all of a
     reduce-scatter run as an exchange (``ops.reduce_scatters_by_exchange``, gloo only)
-    allocates nothing through shared memory (``shared_memory.usable_here``) and
-    otherwise receives into a temporary of its buffer's size. None counted for the
+    receives into a temporary of its buffer's size. None counted for the
     sends and receives that run compshard's all-gathers on gloo
     (``ops.all_gathers_by_send_recv``), nor for other backends (NCCL writes the output
     in place)."""
@@ -83,7 +88,7 @@ def backend_scratch_bytes(start: fx.Node) -> int:
     if kind not in ("all_gather", "reduce_scatter"):
         return 0
     if is_op(start, compshard_ops.exchange_rows_.default):
-        return 0 if usable_here(op_arg(start, "world_size")) else nbytes(start.meta["val"])
+        return nbytes(start.meta["val"])
     if is_op(start, compshard_ops.gather_rows_.default):  # an all-gather run as sends and receives, in place
         return 0
     if backend_name(op_arg(start, "group_name"), start.meta["val"].device) != "gloo":
