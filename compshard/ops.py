@@ -116,9 +116,10 @@ def group_rank(group_name: str) -> int:
 
 
 def resolve_group(group_name: str) -> dist.ProcessGroup:
-    from torch.distributed.distributed_c10d import GroupName, _resolve_process_group
+    from torch.distributed.distributed_c10d import _resolve_process_group
 
-    return _resolve_process_group(GroupName(group_name))
+    # (torch 2.13 types the name as its NewType GroupName, which older torch may not define)
+    return _resolve_process_group(group_name)  # type: ignore[arg-type]
 
 
 def group_size(group_name: str) -> int:
