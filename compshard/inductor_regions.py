@@ -5,9 +5,8 @@ its peak-memory reordering moves all-gathers (on the benchmark GPT it hoisted th
 second forward all-gather to the top of the graph), its buffer-reuse pool keeps a dead
 buffer allocated until a later kernel of the same size takes it (the gradients of
 the last blocks lived through the whole backward), it keeps a collective's input alive
-until the collective's wait, and it has no place for ``compshard::free``. Measured
-(world size 2, GPT of width 384, 6 layers): a third more peak memory than the fx
-codegen.
+until the collective's wait, and it has no place for ``compshard::free``: together a
+third more peak memory than the fx codegen's on the benchmark GPT.
 
 So Inductor gets only the compute. The scheduled graph is cut at every node compshard
 owns (``is_owned``: collective starts and waits, the pack/unpack ops around them, frees)
