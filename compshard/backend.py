@@ -15,26 +15,42 @@ calling convention, so inputs and intermediates are released after their last us
 Inductor and runs those nodes where the passes put them (:mod:`compshard.inductor_regions`).
 The default, ``"auto"``, is resolved once per Dynamo graph from the devices of its inputs
 (:func:`compshard.options.resolve_codegen`): Inductor on CUDA, fx elsewhere.
+
+Warm restarts: each scheduled graph is a :class:`ScheduledOutput`, which torch's
+AOTAutograd cache stores in its entry for the Dynamo graph, under a key that also
+covers compshard's options, ranks, cost constants and code
+(:mod:`compshard.compile_cache`). A later launch that finds the entry on every rank skips
+AOTAutograd's tracing, the partition and every pass; the schedule check still runs
+(``docs/caching.md``).
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import itertools
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import astuple, dataclass, replace
+from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import fx
 from torch._dynamo.backends.common import aot_autograd
+from torch._dynamo.utils import counters
+from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
+from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
+from torch._inductor.output_code import OutputCode
 
-from compshard import logs, rank_exchange, sharding
+from compshard import compile_cache, cost_model, logs, rank_exchange, sharding
 from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan
 from compshard.options import CompileOptions
 from compshard.passes import PassContext, run_passes
+from compshard.passes.check_schedule import check_schedule
+from compshard.passes.fx_utils import compshard_ops, is_op, unshard_args
 from compshard.passes.partition import partition
 
-__all__ = ["compshard_backend", "CompiledGraph", "record_compiles"]
+__all__ = ["compshard_backend", "CompiledGraph", "ScheduledOutput", "record_compiles"]
 
 
 @dataclass(frozen=True)
@@ -46,6 +62,7 @@ class CompiledGraph:
     gm: fx.GraphModule
     plan: CompilePlan
     codegen: str  # how it runs: "fx", or "inductor (N compiled regions)"; ", auto" when chosen by codegen="auto"
+    from_cache: bool = False  # loaded from the compile cache (``docs/caching.md``), not scheduled in this process
 
     @property
     def graph_plan(self) -> GraphPlan:
@@ -137,6 +154,125 @@ def schedules_nothing(gm: fx.GraphModule, options: CompileOptions) -> bool:
                    and str(node.target).startswith("compshard.") for node in gm.graph.nodes)
 
 
+class ScheduledOutput(OutputCode):
+    """One scheduled graph (forward, backward or inference) as torch's AOTAutograd cache
+    carries it: the graph with compshard's node metadata (pickled by torch's
+    ``GraphPickler``, with a digest that detects a damaged payload) and the plan of its
+    compile. Run in the process that scheduled it, or rebuilt when loaded: the executor
+    is made again (``codegen="inductor"``: each region from Inductor's FX graph cache) and
+    the cross-rank schedule check runs again."""
+
+    _KEPT_META = frozenset({"val", "tensor_meta", "compshard"})  # what executors, inspect and the check read
+
+    def __init__(self, kind: GraphKind, gm: fx.GraphModule, plan: CompilePlan, options: CompileOptions,
+                 auto: bool) -> None:
+        self.kind, self.gm, self.plan, self.options, self.auto = kind, gm, plan, options, auto
+        self.payload: bytes | None = None
+        self.digest = ""
+        self._run: Callable | None = None
+        self._boxed_call = True
+
+    def build(self, from_cache: bool) -> None:
+        """Make the executor of ``gm`` and record the graph (``record_compiles``)."""
+        self._run, codegen = _executor(self.gm, self.options, self.kind)
+        codegen += ", auto" if self.auto else ""
+        codegen += ", from cache" if from_cache else ""
+        for recorded in _recordings:
+            recorded.append(CompiledGraph(self.kind, self.gm, self.plan, codegen, from_cache))
+
+    def __call__(self, inputs: Sequence[Any]) -> Any:
+        assert self._run is not None, "compshard: a cached graph runs only after torch's post_compile loaded it"
+        return self._run(inputs)
+
+    def prepare_for_serialization(self) -> None:
+        from torch.fx._graph_pickler import GraphPickler, Options
+
+        assert self.gm is not None
+        with _views_as_plain_tensors(self.gm.graph):
+            self.payload = GraphPickler.dumps(
+                self.gm, Options(ops_filter=None, node_metadata_key_filter=self._KEPT_META.__contains__))
+        self.digest = hashlib.sha256(self.payload).hexdigest()
+        self.gm, self._run = None, None  # type: ignore[assignment]
+
+    def post_compile(self, example_inputs: Sequence[Any], constants: Any, graph_kwargs: Any) -> None:
+        """On a cache hit (torch loaded this object): load the graph, agree with the other
+        ranks that every one loaded its own (else raise, and torch compiles instead: on
+        every rank), check the schedule across ranks, make the executor."""
+        if self._run is not None:  # scheduled in this process
+            return
+        attempt = compile_cache.current_attempt()
+        gm = self._load(example_inputs)
+        if attempt is None or not attempt.agree(gm is not None, self.kind):
+            raise BypassAOTAutogradCache(f"compshard: every rank compiles this {self.kind} graph (a rank could not "
+                                         "load its cache entry)")
+        assert gm is not None
+        self.gm = gm
+        self.plan = replace(self.plan, number=attempt.number)
+        check_schedule(gm.graph, PassContext(self.options, self.kind), self.plan.buckets, self.plan.saved_count)
+        if self.kind != "backward":
+            logs.log_plan(self.plan)
+        logs.log_schedule(gm, self.plan.graphs[-1])
+        self.build(from_cache=True)
+
+    def _load(self, example_inputs: Sequence[Any]) -> fx.GraphModule | None:
+        """The graph from the payload; None when the payload is damaged or cannot be read."""
+        from torch._guards import detect_fake_mode
+        from torch.fx._graph_pickler import GraphPickler
+
+        if self.payload is None or hashlib.sha256(self.payload).hexdigest() != self.digest:
+            return None
+        try:
+            gm = GraphPickler.loads(self.payload, detect_fake_mode(example_inputs))
+        except Exception as error:  # noqa: BLE001 - whatever stops the load, the graph is compiled instead
+            logs.log.info("compshard: cache: a cached %s graph could not be read (%s)", self.kind, error)
+            return None
+        return gm if isinstance(gm, fx.GraphModule) else None  # its code is generated by the executor
+
+    def set_triton_bundle(self, triton_bundle: Any) -> None:
+        """Inductor's regions are not bundled here: they live in its FX graph cache."""
+
+
+@contextlib.contextmanager
+def _views_as_plain_tensors(graph: fx.Graph) -> Iterator[None]:
+    """Within the block, each fake view in a node's ``val`` is a fake tensor of the same
+    sizes, strides, dtype and device that is not a view: torch's ``GraphPickler`` cannot
+    pickle a view's base (it keeps the base's fake mode). What reads ``val`` after a load
+    (Inductor's example inputs, sizes) reads only those."""
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    def plain(value: Any) -> Any:
+        if isinstance(value, FakeTensor) and value._is_view():
+            with value.fake_mode:
+                return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=value.device)
+        return value
+
+    saved = {}
+    for node in graph.nodes:
+        if "val" in node.meta:
+            saved[node] = node.meta["val"]
+            node.meta["val"] = torch.utils._pytree.tree_map(plain, saved[node])
+    try:
+        yield
+    finally:
+        for node, value in saved.items():
+            node.meta["val"] = value
+
+
+def _cache_attempt(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: CompileOptions,
+                   number: int) -> compile_cache.Attempt | None:
+    """This Dynamo graph's try at the cache (None: torch's caches are off). Its key goes on
+    ``gm``, where torch's AOTAutograd key reads it."""
+    if not compile_cache.enabled():
+        return None
+    parts = compile_cache.key_parts(gm, example_inputs, opts, lambda group: astuple(cost_model.costs_for(group)))
+    key = compile_cache.cache_key(parts)
+    setattr(gm, compile_cache.KEY_ATTRIBUTE, key)
+    reads = [unshard_args(node) for node in gm.graph.nodes
+             if is_op(node, compshard_ops.unshard, compshard_ops.unshard.default)]  # Dynamo records the packet
+    group_name = next((args.group_name for args in reads if args.group_name), "") if dist.is_initialized() else ""
+    return compile_cache.Attempt.start(key, group_name, number)
+
+
 def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options: dict | None = None) -> Callable:
     """torch.compile backend entry: ``torch.compile(m, backend="compshard", options=...)``.
     A graph with nothing to schedule (:func:`schedules_nothing`) runs as captured."""
@@ -147,41 +283,62 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         logs.log.info("compshard: a graph that reads no sharded parameter, with nothing to schedule, runs as "
                       "captured (eager autograd)")
         return gm.forward
-    plan = run_passes(gm, PassContext(opts, "dynamo"), CompilePlan(next(_compile_numbers)))
+    number = next(_compile_numbers)
+    attempt = _cache_attempt(gm, example_inputs, opts, number)
+    plan = run_passes(gm, PassContext(opts, "dynamo"), CompilePlan(number))
+
+    def compiling(kind: GraphKind) -> None:
+        if attempt is not None:
+            attempt.agree(False, kind)
 
     def partition_joint(joint: fx.GraphModule, joint_inputs: Any, **kwargs: Any):
         nonlocal plan
+        compiling("joint")
         plan = run_passes(joint, PassContext(opts, "joint"), plan)
         forward, backward, plan = partition(joint, joint_inputs, plan, **kwargs)
         logs.log_plan(plan)
         return forward, backward
 
-    def graph_compiler(kind: GraphKind) -> Callable:
-        def compile_graph(graph_module: fx.GraphModule, graph_inputs: Sequence[Any]) -> Callable:  # noqa: ARG001
+    def graph_compiler(kind: GraphKind) -> SerializableAOTDispatchCompiler:
+        def compile_graph(graph_module: fx.GraphModule, graph_inputs: Sequence[Any]) -> ScheduledOutput:  # noqa: ARG001
             nonlocal plan
+            compiling(kind)
             plan = run_passes(graph_module, PassContext(opts, kind), plan)
             if kind == "inference":  # no joint graph: its passes made the bucket plan
                 logs.log_plan(plan)
             logs.log_schedule(graph_module, plan.graphs[-1])
-            executor, codegen = _executor(graph_module, opts, kind)
-            if requested.codegen == "auto":
-                codegen += ", auto"
-            for recorded in _recordings:
-                recorded.append(CompiledGraph(kind, graph_module, plan, codegen))
-            return executor
+            output = ScheduledOutput(kind, graph_module, plan, opts, auto=requested.codegen == "auto")
+            output.build(from_cache=False)
+            return output
 
-        return compile_graph
+        return SerializableAOTDispatchCompiler(ScheduledOutput, compile_graph)
 
     decompositions = {}
     if opts.codegen == "inductor":  # Inductor lowers graphs traced with its own decompositions
         from torch._inductor.decomposition import select_decomp_table
 
         decompositions = select_decomp_table()
-    return aot_autograd(
+    compile_with_aot = aot_autograd(
         decompositions=decompositions,
         fw_compiler=graph_compiler("forward"),
         bw_compiler=graph_compiler("backward"),
         inference_compiler=graph_compiler("inference"),
         partition_fn=partition_joint,
         keep_inference_input_mutations=True,
-    )(gm, example_inputs)
+    )
+    if attempt is None:
+        return compile_with_aot(gm, example_inputs)
+    aot_counters = counters["aot_autograd"]
+    saved, bypassed = aot_counters["autograd_cache_saved"], aot_counters["autograd_cache_bypass"]
+    # Bundled: the entry holds the ScheduledOutputs themselves, not FX graph cache keys. The
+    # backward compiled now, not at the first backward: torch saves the entry once both exist,
+    # and only while bundling is on.
+    with compile_cache.attempting(attempt), torch._functorch.config.patch(
+            bundled_autograd_cache=True, force_non_lazy_backward_lowering=True):
+        compiled = compile_with_aot(gm, example_inputs)
+    if aot_counters["autograd_cache_saved"] > saved:
+        attempt.saved()
+    elif attempt.outcome == "miss" and aot_counters["autograd_cache_bypass"] > bypassed:
+        attempt.outcome = "bypass"
+    logs.log_cache(number, attempt.key, attempt.outcome)
+    return compiled

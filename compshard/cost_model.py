@@ -22,16 +22,19 @@ all-gather of its buffer, so it costs twice an all-gather of the same bytes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import statistics
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from compshard.compile_cache import remembered_costs
 from compshard.ops import resolve_group
 from compshard.sizes import nbytes, size_hint
 
@@ -113,9 +116,12 @@ def measure_costs(group: dist.ProcessGroup, device: torch.device, timer: Timer =
 
 
 def calibrate(group_name: str, device: torch.device) -> Costs:
-    """Measure this group's link and this machine's FLOP rate once; agree across ranks."""
+    """Measure this group's link and this machine's FLOP rate once; agree across ranks.
+    The agreed figures are kept for later launches (``compile_cache.remembered_costs``)."""
     if group_name not in _calibrated:
-        _calibrated[group_name] = measure_costs(resolve_group(group_name), device)
+        group = resolve_group(group_name)
+        figures = remembered_costs(group, device, lambda: dataclasses.astuple(measure_costs(group, device)))
+        _calibrated[group_name] = Costs(*figures)
     return _calibrated[group_name]
 
 
@@ -155,9 +161,9 @@ def _describe(value) -> object:
     dtype (a symbolic size by its expression and hint: neither installs a guard)."""
     if isinstance(value, torch.Tensor):
         shape, stride = tuple(value.shape), tuple(value.stride())
-        if not all(type(n) is int for n in shape + stride):
-            shape, stride = tuple((str(n), size_hint(n)) for n in shape), tuple(map(str, stride))
-        return shape, stride, value.dtype, value.device.type
+        if all(type(n) is int for n in shape + stride):
+            return shape, stride, value.dtype, value.device.type
+        return tuple((str(n), size_hint(n)) for n in shape), tuple(map(str, stride)), value.dtype, value.device.type
     if isinstance(value, (list, tuple)):
         return tuple(_describe(v) for v in value)
     return repr(value)
@@ -179,13 +185,14 @@ def node_seconds(node: fx.Node, costs: Costs) -> float:
     """Estimated seconds of one compute node, from its fake tensors (symbolic sizes at
     their hints: no guard). Cached per op, argument shapes and constants: the repeated
     blocks of a model run the same ops on the same shapes, and are counted once."""
-    if node.op != "call_function" or not isinstance(node.target, torch._ops.OpOverload):
+    op = node.target
+    if node.op != "call_function" or not isinstance(op, torch._ops.OpOverload):
         return 0.0
     key = signature(node)
     if key is not None and (key, costs) in _seconds_cache:
         return _seconds_cache[key, costs]
     args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
-    seconds = _node_seconds(node, args, kwargs, costs)
+    seconds = _node_seconds(node, op, args, kwargs, costs)
     if key is not None:
         _seconds_cache[key, costs] = seconds
     return seconds
@@ -211,14 +218,14 @@ _EXTRA_FLOP_FORMULAS = {
 }
 
 
-def _node_seconds(node: fx.Node, args, kwargs, costs: Costs) -> float:
+def _node_seconds(node: fx.Node, op: torch._ops.OpOverload, args: Any, kwargs: Any, costs: Costs) -> float:
     val = node.meta.get("val")
     fake_mode = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(val) if hasattr(v, "fake_mode")), None)
     flops = 0
     if fake_mode is not None:
         try:
             with fake_mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
-                node.target(*args, **kwargs)
+                op(*args, **kwargs)
             flops = size_hint(counter.get_total_flops())
         except Exception:  # noqa: BLE001 - an op the fake mode cannot run again costs its bytes
             flops = 0

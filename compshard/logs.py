@@ -13,7 +13,8 @@ pass pipeline, so no pass logs on its own. Each decision is a line on the ``comp
 scheduled graph is one structured artifact (``torch._logging.trace_structured``), which
 ``tlparse`` shows beside Dynamo's and AOTAutograd's graphs of the same compile:
 ``compshard_<graph>_schedule`` (the graph's code with the scheduled nodes) and
-``compshard_<graph>_decisions`` (JSON).
+``compshard_<graph>_decisions`` (JSON). Per compile, whether its graphs came from the
+compile cache (``compshard_cache``, JSON; ``docs/caching.md``).
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ import logging
 import os
 import sys
 import warnings
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch._logging
 from torch import fx
@@ -31,7 +33,7 @@ from compshard.compile_plan import CompilePlan, GraphPlan, MiB
 from compshard.sizes import size_hint
 from compshard.timeline import simulate
 
-__all__ = ["log", "log_plan", "log_schedule", "warn", "format_mib"]
+__all__ = ["log", "log_cache", "log_plan", "log_schedule", "warn", "format_mib"]
 
 log = logging.getLogger("compshard")
 
@@ -136,3 +138,13 @@ def log_schedule(gm: fx.GraphModule, graph_plan: GraphPlan) -> None:
         log.debug("compshard: scheduled %s graph:\n%s", kind, gm.print_readable(print_output=False))
     _artifact(f"compshard_{kind}_decisions", "json", lambda: facts)
     _artifact(f"compshard_{kind}_schedule", "string", lambda: gm.print_readable(print_output=False))
+
+
+def log_cache(number: int, key: str, outcome: str) -> None:
+    """Per compiled Dynamo graph, once torch's AOTAutograd returned: whether its scheduled
+    graphs came from the cache. ``outcome``: ``"hit"`` (loaded on every rank), ``"miss"``
+    (compiled and saved), ``"recompiled"`` (this rank could load it, another could not:
+    every rank compiled) or ``"bypass"`` (compiled; torch's cache could not key the graph,
+    its log says why)."""
+    log.info("compshard: compile %d: cache %s (key %s)", number, outcome, key)
+    _artifact("compshard_cache", "json", lambda: {"compile": number, "key": key, "outcome": outcome})
