@@ -50,7 +50,7 @@ from compshard.passes.check_schedule import check_schedule
 from compshard.passes.fx_utils import compshard_ops, is_op, unshard_args
 from compshard.passes.partition import partition
 
-__all__ = ["compshard_backend", "CompiledGraph", "ScheduledOutput", "record_compiles"]
+__all__ = ["compshard_backend", "CompiledGraph", "ScheduledOutput", "asks_for_graph_work", "record_compiles"]
 
 
 @dataclass(frozen=True)

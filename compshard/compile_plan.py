@@ -15,12 +15,13 @@ with :func:`node_meta`, write it with :func:`set_node_meta`.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterator, Literal
+from typing import Any, Literal
 
 __all__ = ["GraphKind", "ScheduledKind", "Bucket", "BucketPlan", "MemoryBudget", "Coalescing", "Prefetch",
            "RecomputePlan", "GraphPlan", "CompilePlan", "NodeMeta", "node_meta", "set_node_meta",
-           "ScheduleError", "COLLECTIVE_KINDS", "MiB"]
+           "ScheduleError", "COLLECTIVE_KINDS", "META_KEY", "MiB"]
 
 MiB = 2**20  # the unit of the ``*_mb`` options and of every size compshard reports
 
@@ -132,7 +133,8 @@ class RecomputePlan:
     def describe(self) -> str:
         parts = [f"recompute {self.policy}"]
         if self.policy != "none":
-            parts[0] += f" (blocks: {self.blocks_summary()})" if self.levels else " (no repeated blocks: nothing tagged)"
+            tagged = f"blocks: {self.blocks_summary()}" if self.levels else "no repeated blocks: nothing tagged"
+            parts[0] += f" ({tagged})"
         if self.saved:
             parts.append("saved for backward: "
                          + ", ".join(f"{kind} {n / MiB:.3f} MiB" for kind, n in self.saved.items()))

@@ -37,11 +37,20 @@ import torch
 from torch import nn
 
 from compshard.eager_gather import EagerReductions, accumulate_grad
-from compshard.ops import (ShardLayout, averaging_ranks, exchanged_rows, group_rank, group_size,
-                           reduce_scatters_by_exchange, sum_over_ranks, sum_rows_into_shards)
+from compshard.ops import (
+    ShardLayout,
+    averaging_ranks,
+    exchanged_rows,
+    group_rank,
+    group_size,
+    reduce_scatters_by_exchange,
+    sum_over_ranks,
+    sum_rows_into_shards,
+)
 from compshard.options import CompileOptions
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "GradSync", "no_sync", "reduce_accumulated_gradients", "set_requires_gradient_sync"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "GradSync", "consecutive_buckets", "grad_sync_state", "no_sync",
+           "reduce_accumulated_gradients", "set_requires_gradient_sync"]
 
 DEFAULT_BUCKET_BYTES = int(CompileOptions().bucket_mb * 2**20)  # of full gradients per reduction
 

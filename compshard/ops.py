@@ -61,7 +61,10 @@ import torch.distributed as dist
 
 from compshard import liveness
 
-__all__ = ["ShardLayout", "UnshardArgs", "ReduceGradArgs", "GRAD_SYNC_MODES"]
+__all__ = ["GRAD_SYNC_MODES", "ReduceGradArgs", "ShardLayout", "UnshardArgs", "all_gather_rows",
+           "all_gathers_by_send_recv", "averaging_ranks", "backend_name", "direct_call", "exchange_rows",
+           "exchanged_rows", "group_rank", "group_size", "reduce_scatters_by_exchange", "resolve_group",
+           "simulated_backends", "sum_over_ranks", "sum_rows", "sum_rows_into_shards"]
 
 GRAD_SYNC_MODES = ("reduce", "accumulate", "fold")
 

@@ -45,7 +45,7 @@ from torch.export.graph_signature import InputKind
 
 from compshard.cost_model import Costs, collective_seconds, node_seconds
 
-__all__ = ["COST_SLACK", "Partition", "StagePlan", "build_stage_module", "partition_stages"]
+__all__ = ["COST_SLACK", "Partition", "StagePlan", "build_stage_module", "partition_stages", "stage_io_meta"]
 
 COST_SLACK = 0.02  # largest stage cost may exceed the minimum by this fraction to save parameter memory
 

@@ -15,6 +15,8 @@ from torch import fx
 
 from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
 
+__all__ = ["Span", "Timeline", "simulate"]
+
 
 @dataclass
 class Span:

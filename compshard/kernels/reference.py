@@ -31,6 +31,9 @@ import torch
 
 from ._checks import _layout
 
+__all__ = ["all_gather_copy_in_reference", "all_gather_copy_out_reference", "reduce_scatter_copy_in_reference",
+           "reduce_scatter_copy_out_reference"]
+
 
 def _segments(flat: torch.Tensor, used: Sequence[int], lengths: Sequence[int]) -> list[torch.Tensor]:
     """``flat`` cut into consecutive segments of ``lengths[i]`` elements: views of the first

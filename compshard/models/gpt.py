@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
+
 
 @dataclass(frozen=True)
 class GPTConfig:

@@ -48,6 +48,8 @@ from compshard.passes.fx_utils import (
 from compshard.rank_exchange import exchange_across_ranks
 from compshard.sizes import size_hint
 
+__all__ = ["agree_shapes", "agree_lowered_shapes"]
+
 Shapes = list[tuple[int, ...]] | None  # one node's tensors' shapes (None: it has no tensor)
 
 

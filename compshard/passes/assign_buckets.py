@@ -40,6 +40,8 @@ from compshard.ops import ShardLayout
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import backward_nodes, compshard_ops, gathered_chain, is_op, node_order, unshard_args
 
+__all__ = ["BucketParam", "plan_buckets", "assign_buckets"]
+
 
 @dataclass(frozen=True)
 class BucketParam:

@@ -21,6 +21,8 @@ from compshard.compile_plan import MiB, node_meta
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import CollectiveGroup, collective_groups, node_order, waited
 
+__all__ = ["bound_gradient_reductions"]
+
 
 def bound_gradient_reductions(graph: fx.Graph, ctx: PassContext) -> None:
     for kind in ("reduce_scatter", "all_reduce"):

@@ -59,6 +59,8 @@ from compshard.passes.fx_utils import (
 )
 from compshard.rank_exchange import exchange_across_ranks
 
+__all__ = ["schedule_entries", "fingerprint", "check_schedule"]
+
 _STARTS = COLLECTIVE_KINDS
 # One scheduled node: its kind (or "program <op>"), parameters, bytes, and position in
 # non-view compute nodes.

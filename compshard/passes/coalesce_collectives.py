@@ -67,6 +67,8 @@ from compshard.passes.reduce_lowering import lower_reductions, reduced_in_bucket
 from compshard.rank_exchange import exchange_across_ranks
 from compshard.sizes import nbytes
 
+__all__ = ["lowered_peak", "PeakModel", "coalesce_collectives"]
+
 Plan = dict[str, list[list[str]]]  # collective kind -> bucket names per collective (a candidate Coalescing)
 
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 from compshard.compile_plan import GraphKind
 from compshard.options import CompileOptions
 
+__all__ = ["PassContext"]
+
 
 @dataclass(frozen=True)
 class PassContext:

@@ -21,6 +21,8 @@ from torch import fx
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import compshard_ops, is_op, unshard_args
 
+__all__ = ["dedupe_unshard"]
+
 
 def dedupe_unshard(graph: fx.Graph, ctx: PassContext) -> None:
     first: dict[tuple, fx.Node] = {}

@@ -22,6 +22,8 @@ from torch import fx
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import aliases, aten, first_arg, is_op, is_view
 
+__all__ = ["drop_redundant_clones"]
+
 
 def _root(node: fx.Node) -> fx.Node:
     while is_view(node):

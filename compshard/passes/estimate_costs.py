@@ -16,6 +16,8 @@ from compshard.cost_model import Costs, collective_seconds, costs_for, node_seco
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import collective_group, op_arg
 
+__all__ = ["estimate_costs"]
+
 
 def estimate_costs(graph: fx.Graph, ctx: PassContext) -> None:
     group_name = collective_group(graph)

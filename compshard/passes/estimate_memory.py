@@ -15,6 +15,8 @@ from compshard.compile_plan import set_node_meta
 from compshard.passes.context import PassContext
 from compshard.passes.memory_model import live_bytes
 
+__all__ = ["estimate_memory"]
+
 
 def estimate_memory(graph: fx.Graph, ctx: PassContext) -> int:
     during, after = live_bytes(graph, count_inputs=ctx.graph == "backward")

@@ -32,6 +32,14 @@ from compshard.compile_plan import (
 from compshard.module_tree import repeated_block, repeated_containers
 from compshard.ops import ReduceGradArgs, UnshardArgs
 
+__all__ = ["aten", "c10d", "compshard_ops", "prims",
+           "first_arg", "op_arg", "unshard_args", "unshard_group", "reduce_grad_args", "output_values", "producer",
+           "is_op", "is_view", "scheduled_kind", "node_order", "first_use", "aliases", "gathered_chain",
+           "backward_nodes", "restore_stashed_vals", "fake_mode_of", "FakeValues", "emit", "hoist_before",
+           "sink_before", "program_collective", "reads_until", "collective_group", "CollectiveGroup", "waited",
+           "collective_groups", "start_gathers_at_waits", "gathered_buffers", "escapes", "members_by_bucket",
+           "collective_members", "block_of_nodes"]
+
 aten = torch.ops.aten
 prims = torch.ops.prims
 c10d = torch.ops._c10d_functional

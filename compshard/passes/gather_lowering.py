@@ -28,6 +28,8 @@ from compshard.passes.fx_utils import (
     unshard_args,
 )
 
+__all__ = ["gathered_remotely", "lower_gathers"]
+
 
 def _lower_locally(graph: fx.Graph, node: fx.Node, fake_values: FakeValues | None) -> None:
     args = unshard_args(node)

@@ -19,6 +19,8 @@ from compshard.compile_plan import NodeMeta, node_meta
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import aliases, compshard_ops, emit, escapes, gathered_buffers, node_order, reads_until
 
+__all__ = ["insert_free"]
+
 
 def insert_free(graph: fx.Graph, ctx: PassContext) -> None:
     order = node_order(graph)

@@ -37,6 +37,8 @@ from compshard.compile_plan import BucketPlan, Coalescing
 from compshard.passes.context import PassContext
 from compshard.passes.reduce_lowering import lower_reductions
 
+__all__ = ["lower_reduce_grad"]
+
 
 def lower_reduce_grad(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, coalescing: Coalescing | None) -> None:
     lower_reductions(graph, ctx, buckets, coalescing)

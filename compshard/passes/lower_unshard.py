@@ -29,6 +29,8 @@ from compshard.compile_plan import BucketPlan, Coalescing
 from compshard.passes.context import PassContext
 from compshard.passes.gather_lowering import lower_gathers
 
+__all__ = ["lower_unshard"]
+
 
 def lower_unshard(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, coalescing: Coalescing | None) -> None:
     lower_gathers(graph, ctx, buckets, coalescing)

@@ -47,6 +47,8 @@ from compshard.passes.fx_utils import (
 from compshard.passes.memory_model import LiveProfile, backend_scratch_bytes
 from compshard.sizes import nbytes
 
+__all__ = ["prefetch"]
+
 
 def _inflight_bytes(gathers: list[CollectiveGroup], index: int, start_position: int, order: dict) -> int:
     """Bytes in flight if gather ``index`` ran from ``start_position`` to its wait: its own

@@ -34,6 +34,8 @@ from compshard.passes.fx_utils import (
     sink_before,
 )
 
+__all__ = ["reduced_in_bucket", "lower_reductions"]
+
 
 def _cast_and_view(graph: fx.Graph, value: fx.Node, local: torch.Tensor, meta: NodeMeta,
                    fake_values: FakeValues | None) -> fx.Node:

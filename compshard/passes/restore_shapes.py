@@ -12,6 +12,8 @@ from torch import fx
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import restore_stashed_vals
 
+__all__ = ["restore_shapes"]
+
 
 def restore_shapes(graph: fx.Graph, ctx: PassContext) -> None:
     restore_stashed_vals(graph)

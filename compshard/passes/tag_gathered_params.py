@@ -21,6 +21,8 @@ from compshard.compile_plan import BucketPlan
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import aten, compshard_ops, gathered_chain, is_op, unshard_args
 
+__all__ = ["tag_gathered_params"]
+
 
 def _offload_copies(unshard: fx.Node) -> list[fx.Node]:
     """The copy of an offloaded shard to the GPU feeding ``unshard`` (``offload=True``):

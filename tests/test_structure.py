@@ -1,0 +1,123 @@
+"""The package's shape: what each module offers, and which way imports go.
+
+- Every module lists its public names in ``__all__``, and everything it lists exists.
+- An import of a name from a compshard module, inside the package or from the
+  benchmarks, names something that module lists (or one of its submodules): what is not
+  listed is the module's own business and may change without notice.
+- Module-level imports between compshard's modules form no cycle (an import inside a
+  function is how a lower module reaches a higher one at call time, and says so).
+- Layers: the kernels import nothing of compshard outside ``compshard.kernels`` but its
+  logging; the passes import nothing of the API above them (what calls the passes).
+- Private modules (a name part starting with ``_``) need no ``__all__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import importlib
+import pathlib
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+PACKAGE = ROOT / "compshard"
+# The modules that run the passes or face the user: a pass importing one reaches up.
+ABOVE_THE_PASSES = {
+    "compshard",
+    "compshard.backend",
+    "compshard.sharding",
+    "compshard.report",
+    "compshard.plan",
+    "compshard.pipeline",
+    "compshard.pipeline_stages",
+    "compshard.checkpoint",
+    "compshard.compile_cache",
+    "compshard.tensor_parallel",
+    "compshard.clip",
+}
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = path.relative_to(ROOT).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(path): path for path in sorted(PACKAGE.rglob("*.py"))}
+PUBLIC_MODULES = sorted(m for m in MODULES if not any(part.startswith("_") for part in m.split(".")))
+
+
+def _imports(path: pathlib.Path, module_level: bool) -> list[tuple[str, str | None]]:
+    """``(module, name)`` for each import of a compshard module in ``path`` (``name``:
+    what a ``from`` import takes, None for a plain import), at module level only (not in
+    functions or ``if TYPE_CHECKING:`` blocks) when ``module_level``."""
+    tree = ast.parse(path.read_text())
+    nodes = (
+        [n for top in tree.body if not isinstance(top, (ast.If, ast.FunctionDef, ast.ClassDef)) for n in ast.walk(top)]
+        if module_level
+        else list(ast.walk(tree))
+    )
+    found: list[tuple[str, str | None]] = []
+    for node in nodes:
+        if isinstance(node, ast.Import):
+            found += [(alias.name, None) for alias in node.names if alias.name.split(".")[0] == "compshard"]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and (node.module or "").split(".")[0] == "compshard":
+            found += [(node.module, alias.name) for alias in node.names]
+    return found
+
+
+def _target(module: str, name: str | None) -> str:
+    """The compshard module an import loads: ``module.name`` where that is a submodule."""
+    return f"{module}.{name}" if name is not None and f"{module}.{name}" in MODULES else module
+
+
+@pytest.mark.parametrize("module", PUBLIC_MODULES)
+def test_every_module_lists_its_public_names(module):
+    loaded = importlib.import_module(module)
+    assert hasattr(loaded, "__all__"), f"{module} has no __all__"
+    missing = [name for name in loaded.__all__ if not hasattr(loaded, name)]
+    assert not missing, f"{module}.__all__ lists names it does not define: {missing}"
+
+
+def test_imports_of_compshard_names_are_listed():
+    importers = [*MODULES.values(), *sorted((ROOT / "benchmarks").glob("*.py"))]
+    unlisted = []
+    for path in importers:
+        for module, name in _imports(path, module_level=False):
+            if name is None or _target(module, name) != module or module not in MODULES:
+                continue  # a plain import, or a submodule
+            if name not in importlib.import_module(module).__all__:
+                unlisted.append(f"{path.relative_to(ROOT)}: {module}.{name}")
+    assert not unlisted, "imported but not in the module's __all__:\n" + "\n".join(unlisted)
+
+
+def test_module_level_imports_form_no_cycle():
+    graph = {
+        module: {_target(m, n) for m, n in _imports(path, module_level=True)} & MODULES.keys() - {module}
+        for module, path in MODULES.items()
+    }
+    done: set[str] = set()
+
+    def visit(module: str, trail: list[str]) -> None:
+        if module in trail:
+            raise AssertionError("import cycle: " + " -> ".join([*trail[trail.index(module) :], module]))
+        if module in done:
+            return
+        for imported in sorted(graph[module]):
+            visit(imported, [*trail, module])
+        done.add(module)
+
+    for module in sorted(graph):
+        visit(module, [])
+
+
+def test_lower_layers_import_nothing_above_them():
+    upward = []
+    for module, path in MODULES.items():
+        imported = {_target(m, n) for m, n in _imports(path, module_level=False)}
+        if module.startswith("compshard.kernels"):
+            upward += [
+                f"{module} -> {m}" for m in imported if not m.startswith("compshard.kernels") and m != "compshard.logs"
+            ]
+        if module.startswith("compshard.passes"):
+            upward += [f"{module} -> {m}" for m in imported if m in ABOVE_THE_PASSES]
+    assert not upward, "imports of a higher layer:\n" + "\n".join(sorted(upward))
