@@ -61,8 +61,9 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -279,7 +280,8 @@ def gather(param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reduct
 
 
 def _enter_call(unshard: Callable[[nn.Module, str], torch.Tensor], unit: nn.Module, args: Any) -> None:
-    members = unit._compshard_members
+    members, calls = unit._compshard_members, unit._compshard_calls
+    assert isinstance(members, list) and isinstance(calls, list)  # install_call_scope's
     reductions = None if torch.compiler.is_compiling() else members[0][0]._compshard_grad_sync.eager
     if reductions is not None:
         reductions.open_call = []
@@ -288,12 +290,14 @@ def _enter_call(unshard: Callable[[nn.Module, str], torch.Tensor], unit: nn.Modu
     finally:
         if reductions is not None:
             reductions.open_call = None
-    unit._compshard_calls.append(gathered)
+    calls.append(gathered)
 
 
 def _exit_call(unit: nn.Module, args: Any, output: Any) -> None:
-    if unit._compshard_calls:
-        unit._compshard_calls.pop()
+    calls = unit._compshard_calls
+    assert isinstance(calls, list)  # install_call_scope's
+    if calls:
+        calls.pop()
 
 
 # torch.nn modules whose forward reads each parameter exactly once, whatever the data:
@@ -319,10 +323,10 @@ def install_call_scope(unit: nn.Module, members: list[tuple[nn.Module, str]],
     them inside the call (:func:`read`) return those tensors, whatever the data decide to
     read. Compiled, the gathers are traced at the call's entry in whichever graph holds the
     call, so a graph break inside the unit's code leaves them where they are."""
-    unit._compshard_calls = []
-    unit._compshard_members = members
-    for module, _ in members:
-        module._compshard_unit = (unit,)  # a tuple: a module attribute would register a submodule
+    unit._compshard_calls = []  # type: ignore[assignment]  # any value; stubs: Tensor | Module
+    unit._compshard_members = members  # type: ignore[assignment]  # any value; stubs: Tensor | Module
+    for module, _ in members:  # (a tuple: a module attribute would register a submodule)
+        module._compshard_unit = (unit,)  # type: ignore[assignment]  # any value; stubs: Tensor | Module
     unit.register_forward_pre_hook(functools.partial(_enter_call, unshard))
     unit.register_forward_hook(_exit_call, always_call=True)
 
@@ -342,5 +346,7 @@ def read(module: nn.Module, name: str, unshard: Callable[[nn.Module, str], torch
     its hooks would run outside its compiled forward as graphs of their own)."""
     unit = getattr(module, "_compshard_unit", None)
     if unit is not None and unit[0]._compshard_calls:
-        return unit[0]._compshard_calls[-1][module._compshard_specs[name].fqn]
+        specs = module._compshard_specs
+        assert isinstance(specs, dict)  # shard's
+        return unit[0]._compshard_calls[-1][specs[name].fqn]
     return unshard(module, name)

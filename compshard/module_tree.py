@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import fnmatch
 import re
-from typing import Iterable, Sequence
+from collections.abc import Iterable, Sequence
 
 __all__ = ["module_of", "outermost_match", "repeated_block", "repeated_containers"]
 

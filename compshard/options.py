@@ -6,8 +6,9 @@ with an error that names the option and what is allowed, before anything is comp
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, fields, replace
-from typing import Any, Iterable, Literal, Mapping, Sequence, get_args
+from typing import Any, Literal, get_args
 
 import torch
 
@@ -81,7 +82,7 @@ class CompileOptions:
     verify: bool = False
 
     @classmethod
-    def from_dict(cls, options: Mapping[str, Any] | None) -> "CompileOptions":
+    def from_dict(cls, options: Mapping[str, Any] | None) -> CompileOptions:
         options = dict(options or {})
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(options) - set(allowed))
@@ -93,7 +94,7 @@ class CompileOptions:
                 raise ValueError(f"compshard: option {name!r} must be {problem}, got {value!r}")
         return cls(**options)
 
-    def for_devices(self, devices: Iterable[torch.device]) -> "CompileOptions":
+    def for_devices(self, devices: Iterable[torch.device]) -> CompileOptions:
         """These options with ``codegen`` resolved for a graph whose tensors live on
         ``devices`` (``"auto"`` becomes ``"fx"`` or ``"inductor"``)."""
         return replace(self, codegen=resolve_codegen(self.codegen, devices))

@@ -36,8 +36,9 @@ import fnmatch
 import functools
 import warnings
 import weakref
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Sequence, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -132,7 +133,9 @@ def _sharded_property(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         if torch.compiler.is_compiling() or _in_forward(self):
             return eager_gather.read(self, name, _unshard)
-        return self._parameters[name]
+        param = self._parameters[name]
+        assert param is not None  # shard registered it
+        return param
 
     return property(get, doc=f"'{name}': in the model's forward gathered to its full shape (compshard::unshard); "
                              "elsewhere the stored shard Parameter")
@@ -149,7 +152,9 @@ class _ForwardDepth:
 def _in_forward(module: nn.Module) -> bool:
     """Whether a read of ``module``'s parameters is inside the model's forward."""
     unit = getattr(module, "_compshard_unit", None)
-    return (module._compshard_forward.depth > 0 or (unit is not None and bool(unit[0]._compshard_calls))
+    forward = module._compshard_forward
+    assert isinstance(forward, _ForwardDepth)  # _install_forward_scopes'
+    return (forward.depth > 0 or (unit is not None and bool(unit[0]._compshard_calls))
             or eager_gather.recomputing())
 
 
@@ -167,7 +172,7 @@ def _install_forward_scopes(root: nn.Module) -> None:
     forward = _ForwardDepth()
     for sub in root.modules():
         if sub is root or hasattr(sub, "_compshard_specs"):
-            sub._compshard_forward = forward
+            sub._compshard_forward = forward  # type: ignore[assignment]  # any value; stubs: Tensor | Module
         if sub is root or (hasattr(sub, "_compshard_specs") and not hasattr(sub, "_compshard_unit")):
             sub.register_forward_pre_hook(functools.partial(_enter_forward, forward))
             sub.register_forward_hook(functools.partial(_leave_forward, forward), always_call=True)
@@ -179,7 +184,14 @@ def _spec_of(module: nn.Module, name: str) -> ParamSpec:
     constant, guarding only the module's identity: ``shard`` fixes a module's specs for
     good, and guards on each of their fields made compiling slow and added nothing (not
     with torch 2.11: see ``constant_lookup``)."""
-    return module._compshard_specs[name]
+    return _specs(module)[name]
+
+
+def _specs(module: nn.Module) -> dict[str, ParamSpec]:
+    """The specs ``shard`` recorded for ``module``'s own sharded parameters, by name."""
+    specs = module._compshard_specs
+    assert isinstance(specs, dict)
+    return specs
 
 
 def _unshard(module: nn.Module, name: str) -> torch.Tensor:
@@ -193,6 +205,7 @@ def _unshard(module: nn.Module, name: str) -> torch.Tensor:
 def _gathered(module: nn.Module, name: str) -> torch.Tensor:
     spec = _spec_of(module, name)
     state = module._compshard_grad_sync
+    assert isinstance(state, GradSync)  # shard's
     if state.step_gathered is not None:  # compshard.step_gather: gathered once for the step
         gathered = state.step_gathered.get(spec.fqn)
         if gathered is None:
@@ -200,6 +213,7 @@ def _gathered(module: nn.Module, name: str) -> torch.Tensor:
                                "released it, ending its step (compshard.step_gather.gathered_for_step)")
         return gathered
     param = module._parameters[name]
+    assert param is not None  # shard registered it
     shard = _local_rows(param)
     if spec.compute_device is not None:
         shard = shard.to(spec.compute_device, non_blocking=True)
@@ -244,7 +258,9 @@ def _default_mesh(module: nn.Module) -> DeviceMesh | None:
         return None
     devices = {p.device.type for p in module.parameters()}
     device_type = devices.pop() if len(devices) == 1 else "cpu"
-    return DeviceMesh.from_group(dist.group.WORLD, device_type)
+    world = dist.group.WORLD
+    assert world is not None  # initialized
+    return DeviceMesh.from_group(world, device_type)
 
 
 def _check_mesh(strategy: str, mesh: Any) -> None:
@@ -433,16 +449,17 @@ def shard(
         liveness.start()  # from here on, a rank that fails or dies is noticed by the others' waits
         _broadcast_from_first_rank(module, mesh)
     for group_name in (groups.shard_group, groups.replicate_group):
-        if group_name and ops.group_size(group_name) > 1:
+        if group_name and mesh is not None and ops.group_size(group_name) > 1:  # (groups come from a mesh)
             cost_model.calibrate(group_name, torch.device(mesh.device_type))
 
     grad_sync = GradSync()
-    sharded: dict[int, tuple[nn.Parameter, ParamSpec]] = {}
+    sharded: dict[int, tuple[nn.Parameter, ParamSpec, tensor_parallel.TensorParallelLayout | None]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         names = tuple(name for name, p in sub._parameters.items() if p is not None)
         if not names or hasattr(sub, "_compshard_specs"):
             continue
-        specs, layouts = {}, {}
+        specs: dict[str, ParamSpec] = {}
+        layouts: dict[str, tensor_parallel.TensorParallelLayout] = {}
         for name in names:
             original = sub._parameters[name]
             if id(original) not in sharded:
@@ -481,8 +498,8 @@ def shard(
     config = ShardingConfig(strategy, groups.shard_size, groups.replicate_size, reshard_after_forward, param_dtype,
                             reduce_dtype, output_dtype, cast_forward_inputs, buffer_dtype, offload_state,
                             gather_units)
-    module._compshard_config = config
-    module._compshard_grad_sync = grad_sync
+    module._compshard_config = config  # type: ignore[assignment]  # any value; stubs: Tensor | Module
+    module._compshard_grad_sync = grad_sync  # type: ignore[assignment]  # any value; stubs: Tensor | Module
     _install_casts(module, config)
     return module
 
@@ -560,7 +577,7 @@ def _install_gather_units(root: nn.Module, patterns: Sequence[str]) -> None:
         else:
             continue
         members = units.setdefault(id(unit), (unit, {}))[1]
-        for name, spec in sub._compshard_specs.items():
+        for name, spec in _specs(sub).items():
             members.setdefault(spec.fqn, (sub, name))
     for unit, members in units.values():
         if all(module is unit for module, _ in members.values()) and not eager_gather.needs_call_scope(unit):
@@ -589,8 +606,10 @@ def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
         source = dist.get_global_rank(group, 0)
         for same_kind in by_kind.values():
             bucket: list[torch.Tensor] = []
-            for tensor in [*same_kind, None]:
-                full = tensor is None or sum(t.numel() for t in bucket) * tensor.element_size() >= _BROADCAST_BUCKET_BYTES
+            pending: list[torch.Tensor | None] = [*same_kind, None]  # None: the end, flush
+            for following in pending:
+                full = following is None or (
+                    sum(t.numel() for t in bucket) * following.element_size() >= _BROADCAST_BUCKET_BYTES)
                 if bucket and full:
                     flat = torch.cat([t.detach().reshape(-1) for t in bucket])
                     dist.broadcast(flat, source, group=group)
@@ -598,8 +617,8 @@ def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
                         for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
                             t.copy_(piece.view_as(t))
                     bucket = []
-                if tensor is not None:
-                    bucket.append(tensor)
+                if following is not None:
+                    bucket.append(following)
 
 
 _STALE_HOOK: list = []  # the one global optimizer pre-step hook, registered on first use
@@ -616,7 +635,7 @@ def _refuse_stale_optimizers() -> None:
         _STALE_HOOK.append(register_optimizer_step_pre_hook(_check_optimizer))
 
 
-_CHECKED: "weakref.WeakSet[torch.optim.Optimizer]" = weakref.WeakSet()
+_CHECKED: weakref.WeakSet[torch.optim.Optimizer] = weakref.WeakSet()
 
 
 def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -643,8 +662,14 @@ def _route_local_gradients(param: nn.Parameter) -> None:
     parameter's gradient on it, which :func:`move_local_gradients` moves to ``param.grad``.
     (Not a hook on the tensor: a tensor freed on a communication thread while the
     interpreter exits would take its Python hook down with the process.)"""
-    param._local_tensor.requires_grad_(True)
+    _local_tensor(param).requires_grad_(True)
     _ROUTED[id(param)] = param
+
+
+def _local_tensor(param: nn.Parameter) -> torch.Tensor:
+    """The local tensor of a DTensor parameter."""
+    assert isinstance(param, DTensor)
+    return param._local_tensor
 
 
 def move_local_gradients() -> None:
@@ -652,9 +677,10 @@ def move_local_gradients() -> None:
     ``grad`` (as a DTensor), leaving the local tensor's own ``grad`` empty. The backend
     queues it at the end of every backward pass that runs a compiled backward graph."""
     for param in list(_ROUTED.values()):
-        if param._local_tensor.grad is None:
+        local = _local_tensor(param)
+        if local.grad is None:
             continue
-        grad, param._local_tensor.grad = param._local_tensor.grad, None
+        grad, local.grad = local.grad, None
         eager_gather.accumulate_grad(param, grad)
 
 
@@ -662,7 +688,7 @@ def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, 
                  tp_layout: tensor_parallel.TensorParallelLayout | None) -> nn.Parameter:
     """This rank's rows of ``param`` (of its tensor-parallel piece, for a parameter a
     plan placed: ``tp_layout``) as the parameter at rest."""
-    data = param.detach() if tp_layout is None else param._local_tensor.detach()
+    data = param.detach() if tp_layout is None else _local_tensor(param).detach()
     layout = spec.layout(groups.shard_rank)
     if layout.replicated:
         local = data.clone()
@@ -678,9 +704,9 @@ def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, 
         sharded = DTensor.from_local(local, mesh, placements, run_check=False, shape=shape, stride=stride)
         if spec.compute_device is not None:  # from_local would move a CPU shard to the mesh's device
             sharded = DTensor(local.cpu().pin_memory(), sharded._spec, requires_grad=False)
-        sharded = nn.Parameter(sharded, requires_grad=param.requires_grad)
-        _route_local_gradients(sharded)
-        return sharded
+        at_rest = nn.Parameter(sharded, requires_grad=param.requires_grad)
+        _route_local_gradients(at_rest)
+        return at_rest
     if spec.compute_device is not None:
         local = local.cpu().pin_memory()
     return nn.Parameter(local, requires_grad=param.requires_grad)
