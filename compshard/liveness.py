@@ -33,8 +33,8 @@ import sys
 import threading
 import time
 import types
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Callable, Iterator
 
 import torch.distributed as dist
 
