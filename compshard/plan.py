@@ -48,24 +48,29 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Any, Callable, Iterator, Literal, Sequence
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from tabulate import tabulate
 from torch import fx, nn
+from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.parallel import parallelize_module
 
-from compshard import cost_model, hardware as hardware_presets
+from compshard import cost_model
+from compshard import hardware as hardware_presets
 from compshard.compile_plan import COLLECTIVE_KINDS, MiB, node_meta, set_node_meta
+from compshard.cost_model import collective_seconds
 from compshard.hardware import Hardware, Measured
 from compshard.ops import ShardLayout, simulated_backends
 from compshard.options import CompileOptions
-from compshard.passes.fx_utils import producer
+from compshard.passes.fx_utils import op_arg, producer, program_collective
 from compshard.passes.memory_model import backend_scratch_bytes, storages
 from compshard.report import Report, inspect
-from compshard.sizes import nbytes
 from compshard.sharding import STRATEGIES, shard
+from compshard.sizes import nbytes
 from compshard.timeline import simulate
 
 __all__ = ["plan", "PlanReport", "MemoryEstimate", "StepEstimate", "default_candidates", "EXTRAPOLATE_FROM"]
@@ -113,6 +118,7 @@ class StepEstimate:
     communication: float  # all collectives, hidden or not
     exposed_communication: float  # compute waiting for collectives
     exposed_waits: tuple[tuple[str, str, float], ...] = ()  # (graph, bucket or unit, seconds), largest first
+    tensor_parallel: float = 0.0  # tensor parallelism's collectives, on the critical path (compute waits for each)
 
     @property
     def total(self) -> float:
@@ -132,6 +138,8 @@ class PlanReport:
         memory: :class:`MemoryEstimate` (rank 0, the rank holding the most).
         step: :class:`StepEstimate`.
         memory_capacity: the device's memory in bytes (None: not known).
+        tp: tensor-parallel ranks per data-parallel rank (``world_size / tp`` data-parallel
+            ranks shard the parameters; 1: no tensor parallelism).
         extrapolated: None, or (blocks compiled, blocks in the model, the stack's name)
             when the estimates were extended from a shallower copy (see ``depth``).
         notes: what in the options holds the schedule back (e.g. buckets larger than
@@ -152,10 +160,11 @@ class PlanReport:
     memory: MemoryEstimate
     step: StepEstimate
     memory_capacity: int | None = None
+    tp: int = 1
     extrapolated: tuple[int, int, str] | None = None
     notes: list[str] = field(default_factory=list)
-    candidates: list["PlanReport"] = field(default_factory=list)
-    recommended: "PlanReport | None" = None
+    candidates: list[PlanReport] = field(default_factory=list)
+    recommended: PlanReport | None = None
     schedule: Report | None = field(default=None, repr=False)
 
     @property
@@ -182,7 +191,7 @@ class PlanReport:
         dtype = self.sharding.get("param_dtype")
         options = ", ".join(f"{k}={v}" for k, v in self.options.items()) or "default options"
         return (f"{strategy} (shard {self.shard_size} x replicate {self.replicate_size}"
-                f"{f', param_dtype {dtype}' if dtype else ''}), {options}")
+                f"{f' x tp {self.tp}' if self.tp > 1 else ''}{f', param_dtype {dtype}' if dtype else ''}), {options}")
 
     def __str__(self) -> str:
         m, s = self.memory, self.step
@@ -203,7 +212,8 @@ class PlanReport:
             f"optimizer {s.optimizer * 1e3:.1f} + outside the graphs {s.outside_graphs * 1e3:.1f}",
             f"critical path: compute {s.compute * 1e3:.1f} ms + exposed communication "
             f"{s.exposed_communication * 1e3:.1f} ms ({self.communication_share:.1%} of the step; all collectives "
-            f"{s.communication * 1e3:.1f} ms)",
+            f"{s.communication * 1e3:.1f} ms)"
+            + (f" + tensor-parallel collectives {s.tensor_parallel * 1e3:.1f} ms" if self.tp > 1 else ""),
             f"tokens/s: {self.tokens_per_second_per_rank:,.0f} per rank, {self.tokens_per_second:,.0f} in all",
         ]
         waits = "; ".join(f"{graph} {what} {seconds * 1e3:.1f} ms" for graph, what, seconds in s.exposed_waits)
@@ -242,6 +252,8 @@ def plan(
     options: dict | None = None,
     sharding: dict | None = None,
     shard_group_size: int | None = None,
+    tp: int = 1,
+    tp_plan: Callable[[nn.Module], dict] | None = None,
     optimizer_states: int = 2,
     tokens_per_rank: int | None = None,
     memory_budget_gib: float | None = None,
@@ -258,7 +270,7 @@ def plan(
         example_inputs, model_kwargs: one rank's inputs of one step (its local batch);
             real or meta tensors, only their shapes and dtypes are read. The output must
             be a loss (or tensors) requiring grad: the step is its forward and backward.
-        world_size: data-parallel ranks.
+        world_size: ranks in all (data-parallel ranks times ``tp``).
         hardware: a preset name (``compshard.hardware.PRESETS``), a
             :class:`~compshard.hardware.Hardware`, ``"measured"`` (this machine timed, on
             the current process group: collective, call on every rank; rank 0 plans and
@@ -269,6 +281,15 @@ def plan(
             ``reduce_dtype``, ``reshard_after_forward``, ...); the mesh is built here.
         shard_group_size: ranks per shard group for ``strategy="hybrid_shard"`` (default:
             the hardware's devices per node).
+        tp, tp_plan: tensor parallelism in ``tp`` consecutive ranks (one node's, where
+            ``tp`` divides its devices): ``tp_plan(model)`` returns the plan
+            ``parallelize_module`` applies on the mesh's ``"tp"`` dimension (a function
+            defined at module level: planning under a process group pickles it), then the
+            model is sharded over the ``world_size / tp`` data-parallel ranks, as
+            ``docs/tensor_parallel.md`` describes. ``example_inputs`` are then one
+            data-parallel rank's batch, shared by its ``tp`` ranks; tensor parallelism's
+            collectives are priced at the link between the ``tp`` ranks and counted on
+            the critical path.
         optimizer_states: optimizer tensors per parameter of the parameter's size (AdamW:
             2; SGD with momentum: 1).
         tokens_per_rank: tokens per rank and step for tokens/s (default: the elements of
@@ -291,21 +312,25 @@ def plan(
         raise ValueError(f"compshard.plan: depth={depth!r} is not allowed; use 'auto', 'exact' or 'extrapolate'")
     if shard_group_size is not None and (not isinstance(shard_group_size, int) or shard_group_size < 1):
         raise ValueError(f"compshard.plan: shard_group_size must be an int >= 1 or None, got {shard_group_size!r}")
+    _check_tensor_parallel(tp, tp_plan, world_size)
     sharding, options = dict(sharding or {}), dict(options or {})
     preset = hardware_presets.PRESETS.get(hardware) if isinstance(hardware, str) else hardware
     group_size = shard_group_size or getattr(preset, "devices_per_node", None) or world_size
     setups = [(sharding, options)]
     if memory_budget_gib is not None:
-        grid = candidates if candidates is not None else default_candidates(world_size, group_size)
+        grid = candidates if candidates is not None else default_candidates(world_size // tp, group_size)
         setups += [({**sharding, **more_sharding}, {**options, **more_options}) for more_sharding, more_options in grid]
     for setup_sharding, setup_options in setups:
         _check_setup(setup_sharding, setup_options, world_size, group_size)
+        if tp > 1 and setup_sharding.get("strategy", "full_shard") == "hybrid_shard":
+            raise ValueError("compshard.plan: strategy='hybrid_shard' with tp > 1 is not planned yet; plan "
+                             "'full_shard' or 'shard_grad_op' over the world_size / tp data-parallel ranks")
     meta_model = _copy_model(model, _meta_like)
     inputs = torch.utils._pytree.tree_map_only(torch.Tensor, _meta_like, (example_inputs, model_kwargs))
     tokens = tokens_per_rank if tokens_per_rank is not None else _count_tokens(inputs)
     device = next((p.device for p in model.parameters() if p.device.type != "meta"), torch.device("cpu"))
     machine = hardware_presets.resolve(hardware, device, world_size)
-    job = _Job(meta_model, inputs, machine, world_size, group_size, optimizer_states, tokens, depth)
+    job = _Job(meta_model, inputs, machine, world_size, group_size, optimizer_states, tokens, depth, tp, tp_plan)
     if not dist.is_initialized():
         reports = _plan_all(job, setups)
     elif hardware == "measured":  # timed on every rank just now: they wait for rank 0's plan
@@ -333,6 +358,16 @@ def _check_setup(sharding: dict, options: dict, world_size: int, group_size: int
         raise ValueError(f"compshard.plan: strategy='hybrid_shard' needs shard_group_size dividing world_size="
                          f"{world_size} into more than one group, got {group_size}")
     CompileOptions.from_dict(options)
+
+
+def _check_tensor_parallel(tp: Any, tp_plan: Any, world_size: int) -> None:
+    if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world_size % tp:
+        raise ValueError(f"compshard.plan: tp must be an int >= 1 dividing world_size={world_size}, got {tp!r}")
+    if tp > 1 and not callable(tp_plan):
+        raise ValueError(f"compshard.plan: tp={tp} needs tp_plan, a function of the model returning the plan "
+                         f"parallelize_module applies on mesh['tp'] (got {tp_plan!r})")
+    if tp == 1 and tp_plan is not None:
+        raise ValueError("compshard.plan: tp_plan is given but tp=1; pass tp=<tensor-parallel ranks>")
 
 
 def _count_tokens(inputs: Any) -> int:
@@ -405,6 +440,8 @@ class _Job:
     optimizer_states: int
     tokens: int
     depth: str
+    tp: int = 1
+    tp_plan: Callable[[nn.Module], dict] | None = None
 
 
 @dataclass(frozen=True)
@@ -416,8 +453,9 @@ class _Estimates:
     backward: float
     communication: float
     exposed_communication: float
+    tensor_parallel: float  # seconds of tensor parallelism's collectives
 
-    def extended(self, shallower: "_Estimates", blocks: int) -> "_Estimates":
+    def extended(self, shallower: _Estimates, blocks: int) -> _Estimates:
         """``self`` plus ``blocks`` times the difference to ``shallower`` (one block fewer)."""
         def extend(deep: float, shallow: float) -> float:
             return deep + blocks * (deep - shallow)
@@ -477,7 +515,7 @@ def _extrapolation(job: _Job, sharding: dict, options: CompileOptions) -> tuple[
     if stack is None or job.depth == "extrapolate":
         return None if stack is None else (stack[0], len(stack[1]))
     dtype = sharding.get("param_dtype")
-    block_bytes = sum(p.numel() * (dtype or p.dtype).itemsize for p in stack[1][0].parameters())
+    block_bytes = sum(p.numel() * (dtype or p.dtype).itemsize for p in stack[1][0].parameters()) // job.tp
     independent = (options.buckets == "auto" and options.memory_budget_mb is None
                    and not isinstance(options.recompute, dict) and block_bytes > options.bucket_mb * MiB)
     return (stack[0], len(stack[1])) if independent and len(stack[1]) >= EXTRAPOLATE_FROM else None
@@ -485,7 +523,7 @@ def _extrapolation(job: _Job, sharding: dict, options: CompileOptions) -> tuple[
 
 def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
     strategy = sharding.get("strategy", "full_shard")
-    shard_size = job.group_size if strategy == "hybrid_shard" else job.world_size
+    shard_size = job.group_size if strategy == "hybrid_shard" else job.world_size // job.tp
     compute_dtype = sharding.get("param_dtype") or _parameter_dtype(job.meta_model)
     extrapolation = _extrapolation(job, sharding, CompileOptions.from_dict(options))
     if extrapolation is None:
@@ -498,7 +536,8 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
         deeper, schedule = _compile(job, _truncated(job.meta_model, stack_name, deep), sharding, options, shard_size,
                                     compute_dtype)
         estimates = deeper.extended(shallower, blocks - deep)
-    shards = _rank0_shards(job.meta_model, shard_size)
+    shards = _rank0_shards(job.meta_model, shard_size) if job.tp == 1 else \
+        _tensor_parallel_shards(job, sharding, shard_size, compute_dtype)
     params, tensors = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shards), len(shards)
     peak_graph = max(estimates.peaks, key=lambda graph: sum(estimates.peaks[graph].values()))
     bytes_per_second = job.machine.group_costs(range(shard_size), compute_dtype).bytes_per_second
@@ -506,15 +545,15 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
     exposed = estimates.exposed_communication
     return PlanReport(
         world_size=job.world_size, hardware=job.machine.name, sharding=sharding, shard_size=shard_size,
-        replicate_size=job.world_size // shard_size, options=options, tokens_per_rank=job.tokens,
+        replicate_size=job.world_size // job.tp // shard_size, options=options, tokens_per_rank=job.tokens // job.tp,
         memory=MemoryEstimate(parameters=params, optimizer_state=job.optimizer_states * params,
                               peak_graph=peak_graph, **estimates.peaks[peak_graph]),
         step=StepEstimate(forward=estimates.forward, backward=estimates.backward, optimizer=optimizer,
                           outside_graphs=tensors * job.machine.step_tensor_seconds,
-                          compute=estimates.forward + estimates.backward - exposed,
+                          compute=estimates.forward + estimates.backward - exposed - estimates.tensor_parallel,
                           communication=estimates.communication, exposed_communication=exposed,
-                          exposed_waits=_longest_waits(schedule)),
-        memory_capacity=job.machine.memory_bytes,
+                          exposed_waits=_longest_waits(schedule), tensor_parallel=estimates.tensor_parallel),
+        memory_capacity=job.machine.memory_bytes, tp=job.tp,
         extrapolated=None if extrapolation is None else (PLANNED_BLOCKS[1], extrapolation[1], extrapolation[0]),
         notes=_notes(schedule, CompileOptions.from_dict(options)), schedule=schedule)
 
@@ -553,19 +592,55 @@ def _optimizer_seconds(machine: Hardware | Measured, shards: list[tuple[tuple[in
     return (3 + 2 * states) * params / bytes_per_second
 
 
+def _tensor_parallel_shards(job: _Job, sharding: dict, shard_size: int,
+                            compute_dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """(shape, dtype) of rank 0's piece of every parameter of the whole model, tensor
+    parallel and sharded (no compile: the pieces are read from the fake copy)."""
+    model = _copy_model(job.meta_model, _fake_maker())
+    with _fake_world(job.world_size, shard_size, job.machine, compute_dtype, job.tp) as mesh:
+        _shard_fake(model, mesh, job.tp_plan, sharding)
+    params = {id(p): p for p in model.parameters()}.values()
+    return [(tuple((p._local_tensor if isinstance(p, DTensor) else p).shape), p.dtype) for p in params]
+
+
+def _shard_fake(model: nn.Module, mesh: Any, tp_plan: Callable[[nn.Module], dict] | None, sharding: dict) -> None:
+    """``shard`` the fake ``model`` over ``mesh``; with ``tp_plan``, ``parallelize_module`` on
+    ``mesh["tp"]`` first and ``shard`` over ``mesh["dp"]``."""
+    if tp_plan is not None:
+        parallelize_module(model, mesh["tp"], tp_plan(model))
+        mesh = mesh["dp"]
+    shard(model, mesh=mesh, **sharding)
+
+
+def _fake_maker() -> Callable[[torch.Tensor], torch.Tensor]:
+    """A function making a fake CPU tensor like its argument (in one fake mode)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+    def fake_like(t: torch.Tensor) -> torch.Tensor:
+        with fake_mode:
+            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
+
+    return fake_like
+
+
 @contextlib.contextmanager
 def _fake_world(world_size: int, shard_size: int, machine: Hardware | Measured,
-                compute_dtype: torch.dtype) -> Iterator[Any]:
+                compute_dtype: torch.dtype, tp: int = 1) -> Iterator[Any]:
     """A ``"fake"`` default process group of ``world_size`` ranks (this process: rank 0)
-    and its mesh (2-D (replicate, shard) when ``shard_size < world_size``), whose groups
-    have ``machine``'s constants and collective backend."""
+    and its mesh (2-D (replicate, shard) when ``shard_size < world_size``; (dp, tp) with
+    ``tp`` > 1), whose groups have ``machine``'s constants and collective backend."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world_size)
     try:
-        shape = (world_size,) if shard_size == world_size else (world_size // shard_size, shard_size)
-        mesh = init_device_mesh("cpu", shape)
+        if tp > 1:
+            mesh = init_device_mesh("cpu", (world_size // tp, tp), mesh_dim_names=("dp", "tp"))
+        else:
+            shape = (world_size,) if shard_size == world_size else (world_size // shard_size, shard_size)
+            mesh = init_device_mesh("cpu", shape)
         groups = {mesh.get_group(dim) for dim in range(mesh.ndim)}
         costs = {g.group_name: machine.group_costs(dist.get_process_group_ranks(g), compute_dtype) for g in groups}
         with cost_model.assumed(costs), simulated_backends(dict.fromkeys(costs, machine.collective_backend)):
@@ -578,19 +653,12 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
              compute_dtype: torch.dtype) -> tuple[_Estimates, Report]:
     """The adapter to the backend: compile a fake copy of ``meta_model``, sharded at
     ``job.world_size`` ranks, with ``compshard.inspect``; read the schedule's estimates."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-
-    def fake_like(t: torch.Tensor) -> torch.Tensor:
-        with fake_mode:
-            return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="cpu")
-
+    fake_like = _fake_maker()
     model = _copy_model(meta_model, fake_like)
     args, kwargs = torch.utils._pytree.tree_map_only(torch.Tensor, fake_like, job.inputs)
     try:
-        with _fake_world(job.world_size, shard_size, job.machine, compute_dtype) as mesh:
-            shard(model, mesh=mesh, **sharding)
+        with _fake_world(job.world_size, shard_size, job.machine, compute_dtype, job.tp) as mesh:
+            _shard_fake(model, mesh, job.tp_plan, sharding)
             schedule = inspect(model, *args, options=options, **kwargs)
             kinds = {name: name.partition(".")[0] for name in schedule.graphs}  # "forward.1" -> "forward"
             # Inside the fake world: a collective's backend scratch (gloo's) is known only
@@ -600,6 +668,7 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
                 raise ValueError("compshard.plan: the model's output does not require grad; plan predicts a "
                                  "training step")
             _price_with_timings(schedule, job.machine)
+            tensor_parallel = _price_tensor_parallel(schedule)
     finally:
         torch._dynamo.reset()  # planning's compiled code (on fake tensors) is of no further use
     timelines = schedule.timelines
@@ -609,6 +678,7 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
         backward=sum(timelines[name].total for name, kind in kinds.items() if kind == "backward"),
         communication=sum(t.comm for t in timelines.values()),
         exposed_communication=sum(t.exposed_comm for t in timelines.values()),
+        tensor_parallel=tensor_parallel,
     ), schedule
 
 
@@ -637,6 +707,29 @@ def _price_with_timings(schedule: Report, machine: Hardware | Measured) -> None:
         schedule.timelines = {kind: simulate(gm.graph) for kind, gm in schedule.graphs.items()}
 
 
+_PROGRAM_COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter"}
+
+
+def _price_tensor_parallel(schedule: Report) -> float:
+    """Price tensor parallelism's collectives (the program's: ``fx_utils.program_collective``)
+    at their group's constants, its full buffer moved (the larger of input and output;
+    twice for an all-reduce), and simulate the timelines again; they stay on the compute
+    stream, which waits for each (DTensor waits at once). Their seconds in all. Call
+    inside the fake world, whose groups' constants ``cost_model.costs_for`` reads."""
+    total = 0.0
+    for gm in schedule.graphs.values():
+        for node in gm.graph.nodes:
+            if program_collective(node):
+                moved = max(nbytes(value.meta.get("val")) for value in (node, *node.all_input_nodes))
+                kind = _PROGRAM_COLLECTIVE_KINDS.get(node.target._opname, "all_gather")
+                seconds = collective_seconds(moved, cost_model.costs_for(op_arg(node, "group_name")), kind)
+                set_node_meta(node, seconds=seconds)
+                total += seconds
+    if total:
+        schedule.timelines = {kind: simulate(gm.graph) for kind, gm in schedule.graphs.items()}
+    return total
+
+
 def _longest_waits(schedule: Report, count: int = 3) -> tuple[tuple[str, str, float], ...]:
     """The ``count`` longest waits of compute for a collective: (graph, bucket, seconds)."""
     waits = []
@@ -657,7 +750,8 @@ def _peak_breakdown(gm: fx.GraphModule, count_inputs: bool) -> dict[str, int]:
     them, inputs counted when ``count_inputs``: a backward's, but for those the caller
     holds, ``memory_model.mark_held_outside``), summed by what holds them."""
     events = storages(gm.graph, count_inputs=count_inputs)
-    started = {meta.collective: meta.kind for node in events.nodes if (meta := node_meta(node)).kind in COLLECTIVE_KINDS}
+    started = {meta.collective: meta.kind for node in events.nodes
+               if (meta := node_meta(node)).kind in COLLECTIVE_KINDS}
     awaiting_reduction = {root for node in events.nodes if _side(node, started) == "reduce" and _kind(node) == "pack"
                           for root in (events.roots.get(i) for i in node.all_input_nodes) if root is not None}
     spans = []  # (first index live, last index live, bytes, holder)

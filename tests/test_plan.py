@@ -19,6 +19,7 @@ from compshard.cost_model import Costs
 from compshard.hardware import Measured
 from compshard.models import GPT, GPTConfig
 from tests.distributed import run_distributed
+from tests.test_tensor_parallel import gpt_plan
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
 from harness import peak_tensor_bytes, state_bytes  # noqa: E402  (the benchmarks' measurement)
@@ -149,7 +150,8 @@ def test_plan_counts_the_scratch_gloo_holds_for_collectives_in_flight():
     buffers = [report.memory.collective_buffers for report in (through_gloo, on_nccl)]
     assert buffers[0] > buffers[1], buffers
     for report, ops in ((through_gloo, {"reduce_scatter": "exchange_rows_", "all_gather": "gather_rows_"}),
-                        (on_nccl, {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor_out"})):
+                        (on_nccl, {"reduce_scatter": "reduce_scatter_tensor",
+                                   "all_gather": "all_gather_into_tensor_out"})):
         for kind, op in ops.items():
             assert {c["op"] for c in report.schedule.collectives if c["kind"] == kind} == {op}, kind
 
@@ -304,8 +306,32 @@ def test_budget_recommends_the_fastest_fitting_candidate(plans):
     ({"world_size": 8, "sharding": {"mesh": None}}, "unknown sharding keyword"),
     ({"world_size": 12, "sharding": {"strategy": "hybrid_shard"}}, "needs shard_group_size dividing"),
     ({"world_size": 8, "options": {"prefetch": -1}}, "option 'prefetch' must be"),
+    ({"world_size": 8, "tp": 3, "tp_plan": gpt_plan}, "tp must be an int >= 1 dividing world_size=8"),
+    ({"world_size": 8, "tp": 2}, "tp=2 needs tp_plan"),
+    ({"world_size": 8, "tp_plan": gpt_plan}, "tp_plan is given but tp=1"),
+    ({"world_size": 8, "tp": 2, "tp_plan": gpt_plan, "shard_group_size": 2, "sharding": {"strategy": "hybrid_shard"}},
+     "'hybrid_shard' with tp > 1 is not planned yet"),
 ])
 def test_bad_arguments_name_the_option(kwargs, message):
     x, y = _local_batch(FOUR_BLOCKS, 0, 8)
     with pytest.raises(ValueError, match=message):
         compshard.plan(_meta_gpt(FOUR_BLOCKS), x, y, **kwargs)
+
+
+def test_plan_with_tensor_parallelism_splits_the_pieces_and_prices_tp_collectives():
+    """dp 4 x tp 2 at 8 ranks: the layers the plan covers are split over all 8 ranks, the
+    rest over the 4 data-parallel ones, and tensor parallelism's collectives are priced at
+    the link between the tp ranks and shown with their group."""
+    model = _meta_gpt(FOUR_BLOCKS)
+    x, y = _local_batch(FOUR_BLOCKS, 0, 4)  # one data-parallel rank's batch
+    report = compshard.plan(model, x, y, world_size=8, tp=2, tp_plan=gpt_plan, depth="exact")
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert (report.tp, report.shard_size, report.replicate_size) == (2, 4, 1)
+    assert total / 8 <= report.memory.parameters < total / 4
+    assert report.memory.optimizer_state == 2 * report.memory.parameters
+    assert report.tokens_per_rank == x.numel() // 2
+    rows = [row for row in report.schedule.rows() if row["kind"] == "tp collective"]
+    assert rows and all(row["seconds"] > 0 for row in rows)
+    assert report.step.tensor_parallel == pytest.approx(sum(row["seconds"] for row in rows))
+    assert 0 < report.step.compute < report.step.total - report.step.tensor_parallel
+    assert "x tp 2" in str(report) and "tensor-parallel collectives" in str(report)
