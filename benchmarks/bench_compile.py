@@ -20,6 +20,18 @@ ratio to aot_eager's. For compshard the seconds of each pass (summed over the gr
 of one compile: Dynamo's, the joint, forward and backward) are printed too, the median
 over repeats. A JSON record goes to --out.
 
+Warm restarts (``--restarts``, run with plain ``python``, not torchrun): a user who
+restarts a job. For each depth and each entry of --restarts (``compshard:fx``,
+``compshard:inductor``: the backend with that codegen; ``inductor``, ``aot_eager``:
+plain ``torch.compile``), two launches in a row of separate ``torchrun`` jobs sharing
+one fresh ``TORCHINDUCTOR_CACHE_DIR``: the cold one compiles and fills the caches, the
+warm one reuses them. Each launch is this script with ``--launch``: one measured first
+step (after the one-layer warm-up compile, as above), torch's caches on. Printed: cold
+and warm seconds and warm/cold, and how many scheduled graphs compshard loaded from its
+cache in the warm launch.
+
+    python benchmarks/bench_compile.py --restarts compshard:fx,compshard:inductor --layers 16,48
+
 Caveat: on a shared CPU the figures are noisy; compare ratios within one run.
 """
 
@@ -27,25 +39,32 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
+import os
 import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from harness import init_distributed, progress, write_results
 from tabulate import tabulate
 
 import compshard
 from compshard import backend
 from compshard.models import GPT, GPTConfig
-from harness import init_distributed, progress, write_results
 
 SYSTEMS = ("compshard", "aot_eager", "inductor")
 
 
-def first_step_seconds(system: str, reference: torch.nn.Module, batch: tuple, options: dict | None) -> tuple[float, dict]:
+def first_step_seconds(system: str, reference: torch.nn.Module, batch: tuple, options: dict | None,
+                       loaded: list[int] | None = None) -> tuple[float, dict]:
     """Seconds of the first step of a freshly compiled copy of ``reference`` (the largest
-    over ranks), and for compshard the seconds per pass summed over its graphs."""
+    over ranks), and for compshard the seconds per pass summed over its graphs (graphs
+    loaded from the compile cache ran no pass; their number is appended to ``loaded``)."""
     torch._dynamo.reset()
     model = copy.deepcopy(reference)
     if system == "compshard":
@@ -63,7 +82,9 @@ def first_step_seconds(system: str, reference: torch.nn.Module, batch: tuple, op
         opt.step()
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
-    plans = {graph.plan.number: graph.plan for graph in captured}  # each compile's plan as of its last graph
+    if loaded is not None:
+        loaded.append(sum(graph.from_cache for graph in captured))
+    plans = {graph.plan.number: graph.plan for graph in captured if not graph.from_cache}  # as of its last graph
     passes: dict[str, float] = {}
     for plan in plans.values():
         for graph_plan in plan.graphs:
@@ -87,38 +108,110 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--options", default=None, help="compshard compile options (JSON)")
     parser.add_argument("--out", default="benchmarks/results/compile.json")
+    parser.add_argument("--restarts", default=None, metavar="ENTRIES",
+                        help="measure cold and warm launches of these comma-separated entries (compshard:fx, "
+                             f"compshard:inductor, or one of {list(SYSTEMS[1:])}); run with python, not torchrun")
+    parser.add_argument("--nproc", type=int, default=2, help="ranks of each launch (--restarts)")
+    parser.add_argument("--launch", action="store_true", help="one measured first step with torch's caches on "
+                        "(what --restarts runs under torchrun; first entry of --systems, first of --layers)")
     args = parser.parse_args()
     args.systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:
         parser.error(f"unknown systems {unknown}; choose from {list(SYSTEMS)}")
     args.layers = [int(n) for n in args.layers.split(",") if n]
+    if args.restarts is not None:
+        args.restarts = [entry for entry in args.restarts.split(",") if entry]
+        bad = [e for e in args.restarts if e not in ("compshard:fx", "compshard:inductor", *SYSTEMS[1:])]
+        if bad:
+            parser.error(f"--restarts: unknown entries {bad}; use compshard:fx, compshard:inductor, aot_eager or "
+                         "inductor")
     return args
 
 
-def main() -> None:
-    import json
+def gpt_batch(args: argparse.Namespace, layers: int, rank: int, device: torch.device) -> tuple[torch.nn.Module, tuple]:
+    """The benchmark's GPT at depth ``layers`` (seed 0) and this rank's batch."""
+    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=args.heads, n_embd=args.width)
+    torch.manual_seed(0)
+    reference = GPT(cfg).to(device)
+    generator = torch.Generator().manual_seed(1 + rank)
+    tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=generator).to(device)
+    return reference, (tokens[:, :-1], tokens[:, 1:])
 
-    args = parse_args()
-    started = time.perf_counter()
-    rank, world_size, device = init_distributed()
-    torch._inductor.config.force_disable_caches = True  # every inductor compile from scratch
-    options = json.loads(args.options) if args.options else None
-    rows, per_pass, raw = [], {}, {}
-    # One small untimed compile per system first: the process's one-time costs (imports,
-    # Dynamo and AOTAutograd set-up) fall on no system's figure.
+
+def warm_up(args: argparse.Namespace, systems: list[str], device: torch.device, options: dict | None) -> None:
+    """One small untimed compile per system: the process's one-time costs (imports,
+    Dynamo and AOTAutograd set-up) fall on no system's figure."""
     warm = GPT(GPTConfig(vocab_size=args.vocab, block_size=8, n_layer=1, n_head=args.heads, n_embd=args.width))
     warm_tokens = torch.randint(0, args.vocab, (1, 9)).to(device)
-    for system in args.systems:
+    for system in systems:
         first_step_seconds(system, warm.to(device), (warm_tokens[:, :-1], warm_tokens[:, 1:]), options)
+
+
+def launch(args: argparse.Namespace) -> None:
+    """One launch of --restarts: the first step of the first system at the first depth."""
+    rank, _, device = init_distributed()
+    options = json.loads(args.options) if args.options else None
+    system = args.systems[0]
+    warm_up(args, [system], device, options)
+    reference, batch = gpt_batch(args, args.layers[0], rank, device)
+    loaded: list[int] = []
+    seconds, _ = first_step_seconds(system, reference, batch, options, loaded)
+    if rank == 0:
+        Path(args.out).write_text(json.dumps({"seconds": seconds, "loaded": loaded[0]}))
+
+
+def restarts(args: argparse.Namespace) -> None:
+    """Cold then warm launch of each entry and depth, in fresh torchrun jobs sharing a
+    fresh cache directory per entry and depth."""
+    started = time.perf_counter()
+    script = Path(__file__).resolve()
+    shared = ["--width", str(args.width), "--heads", str(args.heads), "--seq", str(args.seq), "--vocab",
+              str(args.vocab), "--batch", str(args.batch)]
+    rows, raw = [], {}
     for layers in args.layers:
-        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=layers, n_head=args.heads,
-                        n_embd=args.width)
-        torch.manual_seed(0)
-        reference = GPT(cfg).to(device)
-        generator = torch.Generator().manual_seed(1 + rank)
-        tokens = torch.randint(0, cfg.vocab_size, (args.batch, cfg.block_size + 1), generator=generator).to(device)
-        batch = (tokens[:, :-1], tokens[:, 1:])
+        for entry in args.restarts:
+            system, _, codegen = entry.partition(":")
+            options = {**json.loads(args.options or "{}"), "codegen": codegen} if codegen else None
+            seconds = {}
+            with tempfile.TemporaryDirectory() as cache_dir:
+                env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
+                for which in ("cold", "warm"):
+                    out = Path(cache_dir) / f"{which}.json"
+                    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                               str(args.nproc), str(script), "--launch", "--systems", system, "--layers", str(layers),
+                               "--out", str(out), *shared, *(["--options", json.dumps(options)] if options else [])]
+                    subprocess.run(command, env=env, check=True)
+                    seconds[which] = json.loads(out.read_text())
+            cold, warm = seconds["cold"]["seconds"], seconds["warm"]["seconds"]
+            raw[f"{layers}/{entry}"] = seconds
+            rows.append([layers, entry, f"{cold:.2f}", f"{warm:.2f}", f"{warm / cold:.2f}",
+                         seconds["warm"]["loaded"] if system == "compshard" else ""])
+            print(f"{layers} layers, {entry}: cold {cold:.2f} s, warm {warm:.2f} s", file=sys.stderr, flush=True)
+    print(f"first step incl. compilation, cold and warm launch, world size {args.nproc}, GPT width {args.width}, "
+          f"seq {args.seq}, batch {args.batch} per rank")
+    print(tabulate(rows, headers=["layers", "entry", "cold s", "warm s", "warm/cold", "graphs from cache"]))
+    record = {"command": " ".join([sys.executable, *sys.argv]), "torch": torch.__version__, "config": vars(args),
+              "rows": rows, "raw": raw, "wall_seconds": time.perf_counter() - started}
+    Path(args.out).write_text(json.dumps(record, indent=1))
+
+
+def main() -> None:
+    args = parse_args()
+    if args.restarts is not None:
+        restarts(args)
+        return
+    if args.launch:
+        launch(args)
+        return
+    started = time.perf_counter()
+    rank, world_size, device = init_distributed()
+    torch._inductor.config.force_disable_caches = True  # every compile from scratch (compshard's cache is torch's)
+    options = json.loads(args.options) if args.options else None
+    rows, per_pass, raw = [], {}, {}
+    warm_up(args, args.systems, device, options)
+    for layers in args.layers:
+        reference, batch = gpt_batch(args, layers, rank, device)
         times: dict[str, list[float]] = {system: [] for system in args.systems}
         passes: list[dict[str, float]] = []
         for repeat in range(args.repeats):
@@ -151,4 +244,5 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
-    dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
