@@ -48,6 +48,7 @@ from torch import nn
 
 from compshard.grad_sync import DEFAULT_BUCKET_BYTES, consecutive_buckets, grad_sync_state
 from compshard.ops import ShardLayout, all_gather_rows, group_rank
+from compshard.sharding import ParamSpec
 
 __all__ = ["gathered_for_step"]
 
@@ -55,7 +56,7 @@ __all__ = ["gathered_for_step"]
 class _Shard(NamedTuple):
     """One parameter to gather: its spec, its local rows and the dtype to gather in."""
 
-    spec: object  # compshard.sharding.ParamSpec
+    spec: ParamSpec
     rows: torch.Tensor  # this rank's rows, on the compute device
     dtype: torch.dtype
 
