@@ -28,9 +28,10 @@ import shlex
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Callable, Literal, NamedTuple
+from typing import Literal, NamedTuple
 
 # Kineto (the profiler that peak_tensor_bytes uses) prints "USDT ... profiler_start/stop"
 # lines on stderr at every profile unless its log level is above them; set before it
@@ -39,12 +40,12 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from cli import SYSTEM_NAMES  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import compshard  # noqa: E402
-from cli import SYSTEM_NAMES  # noqa: E402
 from compshard.models import GPT, GPTConfig  # noqa: E402
 
 Wrap = Callable[[nn.Module], Callable]
@@ -95,9 +96,10 @@ def _compshard_system(name: str) -> Wrap:
 
 
 def wrap_fsdp2(model: nn.Module, compile: Literal["no", "model", "blocks"] = "no",
-               param_dtype: torch.dtype | None = None) -> Callable:
-    """Eager FSDP2: ``fully_shard`` on each transformer block, then on the root (mixed
-    precision where ``param_dtype`` is given, gradients reduced in fp32). ``compile``:
+               param_dtype: torch.dtype | None = None, mesh: DeviceMesh | None = None) -> Callable:
+    """Eager FSDP2: ``fully_shard`` on each transformer block, then on the root (over
+    ``mesh``, default: every rank; mixed precision where ``param_dtype`` is given,
+    gradients reduced in fp32). ``compile``:
     ``"model"``, the wrapped model under ``torch.compile``; ``"blocks"``, each block
     compiled on its own before it is sharded (``fullgraph=True``), as torchtitan applies
     compile with FSDP2, so FSDP2's hooks and collectives run eagerly between compiled
@@ -110,8 +112,8 @@ def wrap_fsdp2(model: nn.Module, compile: Literal["no", "model", "blocks"] = "no
         if compile == "blocks":
             block = torch.compile(block, fullgraph=True)
             blocks[index] = block
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)
     return torch.compile(model) if compile == "model" else model
 
 
@@ -150,6 +152,44 @@ SYSTEMS: dict[str, Wrap] = {
     "ddp": wrap_ddp,
 }
 assert tuple(SYSTEMS) == SYSTEM_NAMES, "cli.SYSTEM_NAMES lists the systems for --help"
+
+
+# Systems of data parallel over tensor parallel (2-D), each sharding over mesh["dp"] after
+# gpt_tensor_parallel_plan on mesh["tp"] (tensor_parallel_system).
+TENSOR_PARALLEL_SYSTEMS: dict[str, Callable[..., Callable]] = {
+    "compshard": wrap_compshard,
+    "fsdp2": wrap_fsdp2,
+    "fsdp2+compile-blocks": functools.partial(wrap_fsdp2, compile="blocks"),
+}
+
+
+def gpt_tensor_parallel_plan(model: GPT) -> dict:
+    """The GPT's tensor-parallel plan (as in docs/tensor_parallel.md): attention's qkv
+    colwise, gathered back to full width (q, k and v are split by the full width), its
+    projection rowwise; the MLP's fc colwise, its projection rowwise."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan = {}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(output_layouts=Replicate())
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel(input_layouts=Replicate())
+        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel()
+    return plan
+
+
+def tensor_parallel_system(name: str, mesh: DeviceMesh) -> Wrap:
+    """System ``name`` of ``TENSOR_PARALLEL_SYSTEMS`` on the 2-D ``mesh`` (dims ``dp``, ``tp``):
+    the GPT's tensor-parallel plan on ``mesh["tp"]``, then the system's sharding over
+    ``mesh["dp"]``."""
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    def wrap(model: nn.Module) -> Callable:
+        parallelize_module(model, mesh["tp"], gpt_tensor_parallel_plan(model))
+        return TENSOR_PARALLEL_SYSTEMS[name](model, mesh=mesh["dp"])
+
+    return wrap
 
 
 # ------------------------------------------------------------------------- measurement
@@ -284,7 +324,7 @@ def _train_together(
             times[name].append(timed(name, f"step {index + 1}/{steps}"))
     results = {}
     for name, run in runs.items():
-        peak = peak_tensor_bytes(lambda: run.forward(*batch).backward(), device,
+        peak = peak_tensor_bytes(lambda run=run: run.forward(*batch).backward(), device,
                                  state_bytes(run.model, run.opt))
         held = state_bytes(run.model, run.opt)  # now with this step's gradients
         run.opt.zero_grad(set_to_none=True)
@@ -352,7 +392,7 @@ def make_workload(cfg: GPTConfig | LlamaShape, global_batch: int, rank: int, wor
     generator = torch.Generator().manual_seed(1)
     tokens = torch.randint(0, cfg.vocab_size, (global_batch, cfg.block_size + 1), generator=generator)
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    local = (inputs.chunk(world_size)[rank].contiguous().to(device), targets.chunk(world_size)[rank].contiguous().to(device))
+    local = tuple(t.chunk(world_size)[rank].contiguous().to(device) for t in (inputs, targets))
     return reference, local
 
 
@@ -386,20 +426,24 @@ def write_results(path: Path, device: torch.device, config: dict, started: float
     progress(f"wrote {path}")
 
 
-def start_workload(args) -> tuple[int, int, torch.device, GPTConfig | LlamaShape, nn.Module,
-                                  tuple[torch.Tensor, torch.Tensor]]:
+def start_workload(args, tp: int = 1) -> tuple[int, int, torch.device, GPTConfig | LlamaShape, nn.Module,
+                                               tuple[torch.Tensor, torch.Tensor]]:
     """Join the job and build the workload of ``add_workload_arguments``' options (the
     GPT), or of ``--model llama`` and ``--llama-shape`` where a script has them:
-    (rank, world size, device, config, seeded reference model, this rank's batch)."""
+    (rank, world size, device, config, seeded reference model, this rank's batch). With
+    ``tp`` > 1 the batch is split over the world size / ``tp`` data-parallel ranks, and the
+    ``tp`` consecutive ranks of one (``init_device_mesh``'s (dp, tp) layout) share a slice."""
     rank, world_size, device = init_distributed()
-    if args.batch % world_size:
-        raise SystemExit(f"--batch {args.batch} must be a multiple of the world size {world_size}")
+    if world_size % tp:
+        raise SystemExit(f"--tp {tp} must divide the world size {world_size}")
+    if args.batch % (world_size // tp):
+        raise SystemExit(f"--batch {args.batch} must be a multiple of the data-parallel ranks {world_size // tp}")
     if getattr(args, "model", "gpt") == "llama":
         cfg: GPTConfig | LlamaShape = LlamaShape(**args.llama_shape)
     else:
         cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                         n_embd=args.width)
-    reference, batch = make_workload(cfg, args.batch, rank, world_size, device)
+    reference, batch = make_workload(cfg, args.batch, rank // tp, world_size // tp, device)
     progress(f"{type(reference).__name__} {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, "
              f"{world_size} ranks on {device.type} ({dist.get_backend()}), global batch {args.batch} x "
              f"{cfg.block_size} tokens")
