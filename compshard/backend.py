@@ -219,10 +219,11 @@ class ScheduledOutput(OutputCode):
         from torch._guards import detect_fake_mode
         from torch.fx._graph_pickler import GraphPickler
 
-        if self.payload is None or hashlib.sha256(self.payload).hexdigest() != self.digest:
+        fake_mode = detect_fake_mode(example_inputs)
+        if self.payload is None or hashlib.sha256(self.payload).hexdigest() != self.digest or fake_mode is None:
             return None
         try:
-            gm = GraphPickler.loads(self.payload, detect_fake_mode(example_inputs))
+            gm = GraphPickler.loads(self.payload, fake_mode)
         except Exception as error:  # noqa: BLE001 - whatever stops the load, the graph is compiled instead
             logs.log.info("compshard: cache: a cached %s graph could not be read (%s)", self.kind, error)
             return None
