@@ -11,7 +11,7 @@ import sys
 import pytest
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = ["demo.py", "bench_step.py", "bench_recompute.py", "bench_kernels.py", "bench_plan.py", "profile_step.py"]
+SCRIPTS = ["demo.py", "bench_step.py", "bench_tp.py", "bench_recompute.py", "bench_kernels.py", "bench_plan.py", "profile_step.py"]
 
 # Runs the script as __main__ with --help and reports whether torch got imported.
 PROBE = """
