@@ -35,13 +35,14 @@ import os
 import shutil
 import uuid
 import warnings
-from typing import Any, Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
 from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -232,11 +233,11 @@ def set_full_state_dict(
     _check_flag("set_full_state_dict", "from_rank0", from_rank0)
     broadcast = from_rank0 and _distributed()
     if broadcast and dist.get_rank() != 0:
-        state_dict = {MODEL_KEY: {}, OPTIMIZER_KEY: {}}
+        full: Mapping[str, Any] = {MODEL_KEY: {}, OPTIMIZER_KEY: {}}
     else:
-        _check_full_state(state_dict, optimizer)
+        full = _check_full_state(state_dict, optimizer)
     options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
-    _set_state(module, optimizer, _unshared(state_dict), options)
+    _set_state(module, optimizer, _unshared(full), options)
 
 
 def _unshared(state_dict: Mapping[str, Any]) -> StateDict:
@@ -349,7 +350,8 @@ def _check_path(function: str, path: Any) -> None:
         raise TypeError(f"compshard.checkpoint.{function}: path must be a non-empty str or os.PathLike, got {path!r}")
 
 
-def _check_full_state(state_dict: Any, optimizer: torch.optim.Optimizer | None) -> None:
+def _check_full_state(state_dict: Any, optimizer: torch.optim.Optimizer | None) -> Mapping[str, Any]:
+    """``state_dict`` itself once it is a mapping with the keys ``set_full_state_dict`` reads."""
     required = [MODEL_KEY] + ([OPTIMIZER_KEY] if optimizer is not None else [])
     if not isinstance(state_dict, Mapping) or any(key not in state_dict for key in required):
         got = sorted(state_dict) if isinstance(state_dict, Mapping) else type(state_dict).__name__
@@ -357,3 +359,4 @@ def _check_full_state(state_dict: Any, optimizer: torch.optim.Optimizer | None) 
             f"compshard.checkpoint.set_full_state_dict: state_dict must be a mapping with keys {required} "
             f"(as get_full_state_dict returns), got {got}"
         )
+    return state_dict

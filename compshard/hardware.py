@@ -25,11 +25,12 @@ sustained rate: on a shared machine a few short timings see the CPU at full spee
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -223,7 +224,8 @@ class Measured:
             try:
                 for _ in range(GRAPH_TIMING_RUNS + 1):
                     args = [_random_like(node.meta.get("val"), device) for node in placeholders]
-                    times.append(_synchronized_seconds(lambda: gm(args) if gm._boxed_call else gm(*args), device))
+                    run = functools.partial(gm, args) if gm._boxed_call else functools.partial(gm, *args)
+                    times.append(_synchronized_seconds(run, device))
             except Exception:  # noqa: BLE001 - a graph random values do not suit: keep its ops' timings
                 return None
             return statistics.median(times[1:])
@@ -298,18 +300,19 @@ def _random_like(value: object, device: torch.device) -> object:
 
 
 def _time_op(node: fx.Node, device: torch.device) -> float | None:
+    target = node.target
     values = [n.meta.get("val") for n in node.all_input_nodes] + [node.meta.get("val")]
-    if nbytes(values) > OP_TIMING_BYTES:
+    if not callable(target) or nbytes(values) > OP_TIMING_BYTES:  # a method's name: nothing to time
         return None
     args, kwargs = torch.utils._pytree.tree_map_only(
         fx.Node, lambda n: _random_like(n.meta.get("val"), device), (node.args, node.kwargs))
     try:
-        node.target(*args, **kwargs)
+        target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - an op random values do not suit (indices, shapes): keep the estimate
         return None
     calls, start = 0, time.perf_counter()
     while calls < 3 or time.perf_counter() - start < OP_TIMING_SECONDS:
-        node.target(*args, **kwargs)
+        target(*args, **kwargs)
         calls += 1
     return (time.perf_counter() - start) / calls
 
@@ -362,8 +365,9 @@ def measure(device: torch.device, world_size: int) -> Measured:
     """Time this machine (see :class:`Measured`): on the default process group when there
     is one (collective: call on every rank), else this process's compute only (planning
     ``world_size`` 1). Compiles a small model (a few seconds)."""
-    if dist.is_initialized():
-        costs = cost_model.measure_costs(dist.group.WORLD, device, sustained_seconds)
+    world = dist.group.WORLD if dist.is_initialized() else None
+    if world is not None:
+        costs = cost_model.measure_costs(world, device, sustained_seconds)
         backend = str(dist.get_backend())
     elif world_size > 1:
         raise ValueError("compshard.plan: hardware='measured' calibrates the link on the current process group; "

@@ -56,8 +56,9 @@ copy takes the same optimizer step and they stay equal.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Literal, Mapping, Sequence, get_args
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -158,7 +159,8 @@ class Pipeline:
         # gradients, which compiles an extra graph; the captured shapes make that needless.
         # Torch 2.13 infers them from the first step's real forward instead.
         inputs_meta, outputs_meta = (None, None) if TORCH_2_13 else stage_io_meta(partition, self.stage_index)
-        stage = PipelineStage(runner, self.stage_index, self._stages, device, input_args=inputs_meta,
+        # torch.compile of a Module returns an OptimizedModule (a Module); its stub says Callable
+        stage = PipelineStage(runner, self.stage_index, self._stages, device, input_args=inputs_meta,  # type: ignore[arg-type]
                               output_args=outputs_meta, group=mesh["pp"].get_group())
         # A sharded stage divides by M in its one reduction per step; the schedule's own
         # division would find no gradient yet.
@@ -197,7 +199,7 @@ class Pipeline:
         sum_tied_gradients(self._tied)
         return self._step_loss(losses, targets.device)
 
-    def _accumulating_gradients(self) -> ContextManager[object]:
+    def _accumulating_gradients(self) -> contextlib.AbstractContextManager[object]:
         """The block in which a sharded stage's micro-batches accumulate full gradients
         locally, as ``reshard`` says: on the parameters gathered for the step, or with
         gradient sync off."""
@@ -242,6 +244,7 @@ def sum_tied_gradients(groups: list[tuple[nn.Parameter, dist.ProcessGroup]]) -> 
     every copy takes the same optimizer step (``groups``: :func:`tied_gradient_groups`)."""
     with torch.no_grad():
         for param, group in groups:
+            assert param.grad is not None, "sum_tied_gradients runs after the step's backward"
             dist.all_reduce(_local(param.grad), group=group)
 
 
@@ -325,7 +328,9 @@ def _pipeline_mesh(stages: int, mesh: DeviceMesh | None, device: torch.device) -
         return init_device_mesh(device.type, shape, mesh_dim_names=("pp", "dp"))
     names = mesh.mesh_dim_names or ()
     if not isinstance(mesh, DeviceMesh) or names not in (("pp",), ("pp", "dp")):
-        raise ValueError(f"compshard.pipeline: mesh must be a DeviceMesh with dims ('pp',) or ('pp', 'dp'), got {mesh!r}")
+        raise ValueError(
+            f"compshard.pipeline: mesh must be a DeviceMesh with dims ('pp',) or ('pp', 'dp'), got {mesh!r}"
+        )
     if mesh["pp"].size() != stages:
         raise ValueError(f"compshard.pipeline: stages={stages} must equal the mesh's 'pp' size {mesh['pp'].size()}")
     return mesh
@@ -416,7 +421,9 @@ def pipeline(
         raise RuntimeError("compshard.pipeline needs an initialized process group (launch with torchrun)")
     device = next(model.parameters()).device
     mesh = _pipeline_mesh(stages, mesh, device)
-    costs = cost_model.calibrate(dist.group.WORLD.group_name, device)
+    world = dist.group.WORLD
+    assert world is not None  # the process group is initialized (checked above)
+    costs = cost_model.calibrate(world.group_name, device)
     micro_batch = tuple(a[: batch // microbatches] for a in args)
     partition = partition_stages(model, micro_batch, stages, costs=costs)
     _check_same_cut(partition)

@@ -36,8 +36,9 @@ those stages.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Sequence
+from typing import Any
 
 import torch
 from torch import fx, nn
@@ -103,7 +104,9 @@ class Partition:
         buffers and constants, so that holding the partition holds no model memory; the
         table and the costs are unchanged, :func:`build_stage_module` no longer applies."""
         for plan in self.stages:
-            plan.state = {key: replace(held, tensor=held.tensor.detach().to("meta")) for key, held in plan.state.items()}
+            plan.state = {
+                key: replace(held, tensor=held.tensor.detach().to("meta")) for key, held in plan.state.items()
+            }
 
     @property
     def cut_points(self) -> list[str]:
@@ -129,9 +132,11 @@ def _shapes(nodes: Sequence[fx.Node]) -> str:
     return " ".join(f"{n.name}{list(n.meta['val'].shape)}" for n in nodes) or "-"
 
 
-def _capture(model: nn.Module, example: tuple[torch.Tensor, ...]) -> tuple[fx.GraphModule, dict[str, StatePlaceholder], list[fx.Node]]:
+def _capture(
+    model: nn.Module, example: tuple[torch.Tensor, ...]
+) -> tuple[fx.GraphModule, dict[str, StatePlaceholder], list[fx.Node]]:
     program = torch.export.export(model, example, strict=False)
-    state_values = dict(model.named_parameters(remove_duplicate=False))
+    state_values: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state_values.update(model.named_buffers(remove_duplicate=False))
     # a tied tensor is named as the model's named_parameters() / named_buffers() name it
     canonical = {id(t): name for name, t in (*model.named_buffers(), *model.named_parameters())}
@@ -146,11 +151,14 @@ def _capture(model: nn.Module, example: tuple[torch.Tensor, ...]) -> tuple[fx.Gr
         elif spec.kind in (InputKind.PARAMETER, InputKind.BUFFER):
             persistent = spec.kind == InputKind.PARAMETER or bool(spec.persistent)
             tensor = state_values[spec.target]
-            state[node.name] = StatePlaceholder(canonical[id(tensor)], tensor, spec.kind == InputKind.PARAMETER, persistent)
+            is_parameter = spec.kind == InputKind.PARAMETER
+            state[node.name] = StatePlaceholder(canonical[id(tensor)], tensor, is_parameter, persistent)
         elif spec.kind == InputKind.CONSTANT_TENSOR:
             state[node.name] = StatePlaceholder(spec.target, program.constants[spec.target], False, False)
         else:
-            raise ValueError(f"compshard.pipeline: unsupported input of the captured forward: {spec.kind.name} {spec.target}")
+            raise ValueError(
+                f"compshard.pipeline: unsupported input of the captured forward: {spec.kind.name} {spec.target}"
+            )
     return gm, state, user_inputs
 
 
@@ -189,19 +197,26 @@ def _min_bottleneck(
     best[0][0] = (0.0, -1)
     for k in range(1, stages + 1):
         for j in range(k, count):
-            choice = None
+            choice: tuple[float, int] | None = None
             for i in range(k - 1, j):
-                if best[k - 1][i] is None or not fits(positions[i], positions[j]):
+                previous = best[k - 1][i]
+                if previous is None or not fits(positions[i], positions[j]):
                     continue
-                value = max(best[k - 1][i][0], weight(positions[i], positions[j]))
+                value = max(previous[0], weight(positions[i], positions[j]))
                 if choice is None or value < choice[0]:
                     choice = (value, i)
             best[k][j] = choice
     bounds, j = [positions[-1]], count - 1
     for k in range(stages, 0, -1):
-        j = best[k][j][1]
+        j = _reached(best[k][j])[1]
         bounds.append(positions[j])
-    return best[stages][count - 1][0], bounds[::-1]
+    return _reached(best[stages][count - 1])[0], bounds[::-1]
+
+
+def _reached(entry: tuple[float, int] | None) -> tuple[float, int]:
+    """A cut table entry on the traced-back path (a fitting cut exists, so it was set)."""
+    assert entry is not None, "no fitting cut: callers check that one exists"
+    return entry
 
 
 def _module_summary(ops: list[fx.Node], stage_of: list[int], stage: int) -> list[str]:
@@ -393,6 +408,7 @@ def build_stage_module(partition: Partition, index: int) -> fx.GraphModule:
                 owner.add_module(part, nn.Module())
             owner = getattr(owner, part)
         if held.is_parameter:
+            assert isinstance(held.tensor, nn.Parameter), held.name  # taken from the model's named_parameters()
             owner.register_parameter(leaf, held.tensor)
         else:
             owner.register_buffer(leaf, held.tensor, persistent=held.persistent)

@@ -48,7 +48,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal
 
@@ -62,7 +62,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 from compshard import cost_model
 from compshard import hardware as hardware_presets
 from compshard.compile_plan import COLLECTIVE_KINDS, MiB, node_meta, set_node_meta
-from compshard.cost_model import collective_seconds
+from compshard.cost_model import Costs, collective_seconds
 from compshard.hardware import Hardware, Measured
 from compshard.ops import ShardLayout, simulated_backends
 from compshard.options import CompileOptions
@@ -196,7 +196,7 @@ class PlanReport:
     def __str__(self) -> str:
         m, s = self.memory, self.step
         fits = self.fits()
-        capacity = "" if fits is None else \
+        capacity = "" if fits is None or self.memory_capacity is None else \
             f" of {self.memory_capacity / GiB:.1f} ({'fits' if fits else 'does not fit'})"
         memory = tabulate([[f"{v / GiB:.3f}" for v in (m.parameters, m.optimizer_state, m.gradients, m.activations,
                                                         m.gathered_parameters, m.collective_buffers, m.peak)]],
@@ -417,12 +417,21 @@ def _truncated(model: nn.Module, stack_name: str, blocks: int) -> nn.Module:
     parent = shallow
     if parent_name:  # copy the path down to the stack, so the original keeps its blocks
         for part in parent_name.split("."):
-            child = copy.copy(parent._modules[part])
+            child = copy.copy(_submodule(parent, part))
             child._modules = dict(child._modules)
             parent._modules[part] = child
             parent = child
-    parent._modules[attr] = nn.ModuleList(list(parent._modules[attr])[:blocks])
+    stack = _submodule(parent, attr)
+    assert isinstance(stack, Iterable), stack_name  # a ModuleList or Sequential of the blocks
+    parent._modules[attr] = nn.ModuleList(list(stack)[:blocks])
     return shallow
+
+
+def _submodule(parent: nn.Module, name: str) -> nn.Module:
+    """``parent``'s child ``name`` (a registered module, not a None slot)."""
+    child = parent._modules[name]
+    assert child is not None, name
+    return child
 
 
 # ------------------------------------------------------------------------- planning
@@ -642,7 +651,9 @@ def _fake_world(world_size: int, shard_size: int, machine: Hardware | Measured,
             shape = (world_size,) if shard_size == world_size else (world_size // shard_size, shard_size)
             mesh = init_device_mesh("cpu", shape)
         groups = {mesh.get_group(dim) for dim in range(mesh.ndim)}
-        costs = {g.group_name: machine.group_costs(dist.get_process_group_ranks(g), compute_dtype) for g in groups}
+        costs: dict[str, Costs] = {
+            g.group_name: machine.group_costs(dist.get_process_group_ranks(g), compute_dtype) for g in groups
+        }
         with cost_model.assumed(costs), simulated_backends(dict.fromkeys(costs, machine.collective_backend)):
             yield mesh
     finally:
@@ -782,7 +793,7 @@ def _kind(node: fx.Node) -> str | None:
     return node_meta(node).kind
 
 
-def _side(node: fx.Node, started: dict[str, str]) -> str | None:
+def _side(node: fx.Node, started: Mapping[str | None, str]) -> str | None:
     """``"gather"`` or ``"reduce"``: which lowering made a scheduled node; None for others.
     A node whose collective never starts is a local cast: of a parameter when it has no
     collective label, else of a gradient."""
@@ -795,7 +806,7 @@ def _side(node: fx.Node, started: dict[str, str]) -> str | None:
     return "gather" if kind == "all_gather" else "reduce"
 
 
-def _holder(root: fx.Node, started: dict[str, str], awaiting_reduction: set[fx.Node]) -> str:
+def _holder(root: fx.Node, started: Mapping[str | None, str], awaiting_reduction: set[fx.Node]) -> str:
     if root.op == "placeholder":  # backward inputs: activations saved by forward, tangents
         return "activations"
     side = _side(root, started) or _side(producer(root), started)

@@ -21,7 +21,7 @@ import json
 import operator
 import os
 import tempfile
-from typing import Any
+from typing import Any, TypedDict
 
 import torch
 import torch.distributed as dist
@@ -41,6 +41,17 @@ __all__ = ["Report", "inspect"]
 
 _LISTED_KINDS = (*COLLECTIVE_KINDS, "free")  # what report.collectives holds
 
+
+
+class BucketEntry(TypedDict):
+    """One bucket of one plan as :attr:`Report.buckets` lists it."""
+
+    name: str
+    plan: int  # index in Report.plans
+    params: list[str]
+    bytes: int  # gathered
+    keep_gathered: bool
+    prefetch: dict[str, int]  # graph name -> across how many all-gathers' uses its all-gather runs
 
 class Report:
     """The schedules compshard compiled. ``str(report)`` is a table; see the attributes.
@@ -111,7 +122,7 @@ class Report:
         self.recompute: RecomputePlan | None = next((p.recompute for p in self.plans if p.recompute), None)
         self.pass_seconds = {name(g.kind, i): dict(g.pass_seconds) for i, plan in enumerate(self.plans)
                              for g in plan.graphs}
-        self.buckets = [
+        self.buckets: list[BucketEntry] = [
             {"name": b.name, "plan": i, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered,
              "prefetch": {name(g.kind, i): distances[b.name] for g in plan.graphs if g.prefetch
                           and b.name in (distances := g.prefetch.as_dict())}}
@@ -322,7 +333,7 @@ def _only_views(node: fx.Node) -> bool:
 def _backward_target(output: Any) -> torch.Tensor | None:
     leaves = [t for t in torch.utils._pytree.tree_leaves(output)
               if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
-    return sum(t.float().sum() for t in leaves) if leaves else None
+    return functools.reduce(operator.add, (t.float().sum() for t in leaves)) if leaves else None
 
 
 def _measured_step(compiled: nn.Module, args: tuple, kwargs: dict, profile: bool) -> dict | None:
@@ -367,7 +378,8 @@ def inspect(module: nn.Module, *args: Any, options: dict | None = None, profile:
         with backend.record_compiles() as captured:
             # A backend object of its own: Dynamo must compile anew, not reuse a cached graph.
             compiled = torch.compile(module, backend=functools.partial(backend.compshard_backend, options=options))
-            measured = _measured_step(compiled, args, kwargs, profile)
+            # torch.compile of a Module returns an OptimizedModule (a Module); its stub says Callable
+            measured = _measured_step(compiled, args, kwargs, profile)  # type: ignore[arg-type]
     finally:
         for param, grad in zip(params, saved_grads):
             param.grad = grad
