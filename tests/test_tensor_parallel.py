@@ -6,7 +6,8 @@ parallel; compshard (uncompiled and compiled) trains each 3 AdamW steps and is c
 with eager FSDP2 + TP (``fully_shard`` on ``mesh["dp"]`` after the same plan) and with
 single-process eager training on the global batch, gradients clipped each step by
 ``compshard.clip_grad_norm_`` (torch's fails on a model with DTensors on two meshes, the
-2-D ones and the dp-only ones, for FSDP2 as for compshard). One spawn per model.
+2-D ones and the dp-only ones, for FSDP2 as for compshard). One spawn for the module: the
+GPT's runs, its compiled graphs and report, the refused layouts, then HF Llama's runs.
 """
 
 from __future__ import annotations
@@ -122,13 +123,13 @@ def adamw_at(model: nn.Module, lr: float = ADAMW["lr"]) -> torch.optim.Optimizer
 
 
 def train_2d(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool, lr: float = ADAMW["lr"], *,
-             options: dict | None = None, optimizer: torch.optim.Optimizer | None = None) -> Run:
-    """``STEPS`` AdamW steps (with ``optimizer``, a new one when None) on this dp rank's
+             options: dict | None = None, optimizer: torch.optim.Optimizer | None = None, steps: int = STEPS) -> Run:
+    """``steps`` AdamW steps (with ``optimizer``, a new one when None) on this dp rank's
     slice of ``batch``, clipped by ``compshard.clip_grad_norm_``."""
     step_model = torch.compile(model, backend="compshard", options=options) if compiled else model
     opt = optimizer if optimizer is not None else adamw_at(model, lr)
     losses = []
-    for _ in range(STEPS):
+    for _ in range(steps):
         loss = step_model(*local_batch(batch, mesh["dp"].get_local_rank(), DP))
         loss.backward()
         compshard.clip_grad_norm_(model, MAX_NORM)
@@ -209,8 +210,7 @@ def _uneven(mesh: DeviceMesh) -> bool:
     return torch.equal(layer.weight.detach().full_tensor(), original)
 
 
-def _worker(rank: int, world_size: int) -> dict:
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+def _gpt(mesh: DeviceMesh) -> dict:
     model, batch = make_model("gpt")
     runs = {}
     with record_compiles() as recorded:  # the compiled run's graphs (the others compile nothing)
@@ -219,13 +219,11 @@ def _worker(rank: int, world_size: int) -> dict:
             runs[mode] = train_2d(replica, batch, mesh, compiled=mode == "compiled")
     graphs = [_collectives(g.kind, g.gm.graph) for g in recorded]
     groups = {"dp": mesh["dp"].get_group().group_name, "tp": mesh["tp"].get_group().group_name}
-    result = {"runs": runs, "graphs": graphs, "groups": groups, "errors": _errors(mesh), "uneven": _uneven(mesh),
-              "report": _tensor_parallel_in_report(Report(list(recorded)))}
-    return result if rank == 0 else {}
+    return {"runs": runs, "graphs": graphs, "groups": groups, "errors": _errors(mesh), "uneven": _uneven(mesh),
+            "report": _tensor_parallel_in_report(Report(list(recorded)))}
 
 
-def _llama_worker(rank: int, world_size: int) -> dict:
-    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+def _llama(mesh: DeviceMesh) -> dict:
     model, batch = build_llama()
     runs = {}
     for sequence_parallel in (False, True):
@@ -233,17 +231,29 @@ def _llama_worker(rank: int, world_size: int) -> dict:
             replica = parallelize_module(copy.deepcopy(model), mesh["tp"], llama_plan(model, sequence_parallel))
             runs[mode, sequence_parallel] = train_2d(shard_2d(mode, replica, mesh), batch, mesh,
                                                    compiled=mode == "compiled", lr=LLAMA_LR)
-    return runs if rank == 0 else {}
+    return runs
+
+
+def _worker(rank: int, world_size: int) -> dict:
+    mesh = init_device_mesh("cpu", (DP, TP), mesh_dim_names=("dp", "tp"))
+    result = {"gpt": _gpt(mesh), "llama": _llama(mesh)}
+    return result if rank == 0 else {}
 
 
 @pytest.fixture(scope="module")
-def results() -> dict:
-    return run_distributed(_worker, DP * TP, timeout=600)[0]
+def spawned() -> dict:
+    """Rank 0's results of the module's one spawn."""
+    return run_distributed(_worker, DP * TP, timeout=1200)[0]
 
 
 @pytest.fixture(scope="module")
-def llama_runs() -> dict:
-    return run_distributed(_llama_worker, DP * TP, timeout=900)[0]
+def results(spawned) -> dict:
+    return spawned["gpt"]
+
+
+@pytest.fixture(scope="module")
+def llama_runs(spawned) -> dict:
+    return spawned["llama"]
 
 
 def _assert_parity(run: Run, fsdp2: Run, reference_losses: list[float], reference: dict[str, nn.Parameter]) -> None:

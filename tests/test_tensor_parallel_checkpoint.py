@@ -1,8 +1,9 @@
 """DCP checkpoints of 2-D (dp x tp) models: compshard's and eager FSDP2 + TP's read each other's.
 
 One spawn at world size 4. The repository GPT with ``gpt_plan`` on dp 2 x tp 2 is trained
-``STEPS`` steps by compshard (uncompiled) and by eager FSDP2 + TP, and each saves: compshard
-with ``compshard.checkpoint.save``, FSDP2 with ``dcp.save`` of ``get_state_dict``. Then each
+one step (the optimizer then holds state to save) by compshard (uncompiled) and by eager
+FSDP2 + TP, and each saves: compshard with ``compshard.checkpoint.save``, FSDP2 with
+``dcp.save`` of ``get_state_dict``. Then each
 checkpoint is loaded into the other system with the same plan, and compshard's into
 plain compshard at world size 4 (dp 4 x tp 1), whose own checkpoint loads back into
 compshard 2-D. After each load the model's and the optimizer's full tensors equal the
@@ -89,7 +90,7 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
     written = {}
     for system, save in (("compshard", checkpoint.save), ("fsdp2", _fsdp2_save)):
         trained, optimizer = two_d(system)
-        train_2d(trained, batch, mesh, compiled=False, optimizer=optimizer)
+        train_2d(trained, batch, mesh, compiled=False, optimizer=optimizer, steps=1)
         save(os.path.join(root, system), trained, optimizer)
         written[system] = _full_state(trained, optimizer)
     results = {}

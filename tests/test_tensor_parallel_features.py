@@ -1,7 +1,8 @@
 """Training features in 2-D (dp 2 x tp 2): mixed precision, no_sync, recompute, memory budget.
 
-One spawn at world size 4, the repository GPT with ``gpt_plan``, 3 AdamW steps with
-clipping as in ``tests/test_tensor_parallel.py``:
+One spawn at world size 4, the repository GPT with ``gpt_plan``, ``STEPS`` AdamW steps with
+clipping as in ``tests/test_tensor_parallel.py`` (two: the second step shows what the first
+left behind, no_sync's empty gradients and bf16's drift; the 3-step parity is that file's):
 
 - bf16 compute with fp32 gradient reduction, compshard uncompiled and compiled against
   eager FSDP2 + TP with the same ``MixedPrecisionPolicy``: both against single-process fp32
@@ -32,7 +33,6 @@ from tests.models import make_model
 from tests.test_tensor_parallel import (
     DP,
     MAX_NORM,
-    STEPS,
     TP,
     Run,
     adamw_at,
@@ -43,6 +43,7 @@ from tests.test_tensor_parallel import (
 )
 from tests.training import RTOL, local_batch, relative_error, train_reference
 
+STEPS = 2
 BF16 = torch.bfloat16
 BF16_RTOL = 2e-2  # compshard against FSDP2, both in bf16 (as tests/test_training_features.py)
 MICRO_BATCHES = 2
@@ -97,7 +98,7 @@ def _worker(rank: int, world_size: int) -> dict:
     results: dict = {}
     for system, compiled in (("fsdp2", False), ("compshard", False), ("compshard", True)):
         results["bf16", system, compiled] = train_2d(
-            replica(system, param_dtype=BF16, reduce_dtype=torch.float32), batch, mesh, compiled
+            replica(system, param_dtype=BF16, reduce_dtype=torch.float32), batch, mesh, compiled, steps=STEPS
         )
     results["no_sync", False] = _accumulate(replica("compshard"), batch, mesh, compiled=False)
     with record_compiles() as recorded:
