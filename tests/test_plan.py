@@ -321,9 +321,10 @@ def test_bad_arguments_name_the_option(kwargs, message):
 def test_plan_with_tensor_parallelism_splits_the_pieces_and_prices_tp_collectives():
     """dp 4 x tp 2 at 8 ranks: the layers the plan covers are split over all 8 ranks, the
     rest over the 4 data-parallel ones, and tensor parallelism's collectives are priced at
-    the link between the tp ranks and shown with their group."""
-    model = _meta_gpt(FOUR_BLOCKS)
-    x, y = _local_batch(FOUR_BLOCKS, 0, 4)  # one data-parallel rank's batch
+    the link between the tp ranks and shown with their group (two blocks: one compile)."""
+    config = replace(FOUR_BLOCKS, n_layer=2)
+    model = _meta_gpt(config)
+    x, y = _local_batch(config, 0, 4)  # one data-parallel rank's batch
     report = compshard.plan(model, x, y, world_size=8, tp=2, tp_plan=gpt_plan, depth="exact")
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     assert (report.tp, report.shard_size, report.replicate_size) == (2, 4, 1)
