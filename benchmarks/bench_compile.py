@@ -60,8 +60,9 @@ from compshard.models import GPT, GPTConfig
 SYSTEMS = ("compshard", "aot_eager", "inductor")
 
 
-def first_step_seconds(system: str, reference: torch.nn.Module, batch: tuple, options: dict | None,
-                       loaded: list[int] | None = None) -> tuple[float, dict]:
+def first_step_seconds(
+    system: str, reference: torch.nn.Module, batch: tuple, options: dict | None, loaded: list[int] | None = None
+) -> tuple[float, dict]:
     """Seconds of the first step of a freshly compiled copy of ``reference`` (the largest
     over ranks), and for compshard the seconds per pass summed over its graphs (graphs
     loaded from the compile cache ran no pass; their number is appended to ``loaded``)."""
@@ -108,12 +109,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch", type=int, default=4, help="sequences per rank")
     parser.add_argument("--options", default=None, help="compshard compile options (JSON)")
     parser.add_argument("--out", default="benchmarks/results/compile.json")
-    parser.add_argument("--restarts", default=None, metavar="ENTRIES",
-                        help="measure cold and warm launches of these comma-separated entries (compshard:fx, "
-                             f"compshard:inductor, or one of {list(SYSTEMS[1:])}); run with python, not torchrun")
+    parser.add_argument(
+        "--restarts",
+        default=None,
+        metavar="ENTRIES",
+        help="measure cold and warm launches of these comma-separated entries (compshard:fx, "
+        f"compshard:inductor, or one of {list(SYSTEMS[1:])}); run with python, not torchrun",
+    )
     parser.add_argument("--nproc", type=int, default=2, help="ranks of each launch (--restarts)")
-    parser.add_argument("--launch", action="store_true", help="one measured first step with torch's caches on "
-                        "(what --restarts runs under torchrun; first entry of --systems, first of --layers)")
+    parser.add_argument(
+        "--launch",
+        action="store_true",
+        help="one measured first step with torch's caches on "
+        "(what --restarts runs under torchrun; first entry of --systems, first of --layers)",
+    )
     args = parser.parse_args()
     args.systems = [s for s in args.systems.split(",") if s]
     unknown = sorted(set(args.systems) - set(SYSTEMS))
@@ -124,8 +133,9 @@ def parse_args() -> argparse.Namespace:
         args.restarts = [entry for entry in args.restarts.split(",") if entry]
         bad = [e for e in args.restarts if e not in ("compshard:fx", "compshard:inductor", *SYSTEMS[1:])]
         if bad:
-            parser.error(f"--restarts: unknown entries {bad}; use compshard:fx, compshard:inductor, aot_eager or "
-                         "inductor")
+            parser.error(
+                f"--restarts: unknown entries {bad}; use compshard:fx, compshard:inductor, aot_eager or inductor"
+            )
     return args
 
 
@@ -166,8 +176,18 @@ def restarts(args: argparse.Namespace) -> None:
     fresh cache directory per entry and depth."""
     started = time.perf_counter()
     script = Path(__file__).resolve()
-    shared = ["--width", str(args.width), "--heads", str(args.heads), "--seq", str(args.seq), "--vocab",
-              str(args.vocab), "--batch", str(args.batch)]
+    shared = [
+        "--width",
+        str(args.width),
+        "--heads",
+        str(args.heads),
+        "--seq",
+        str(args.seq),
+        "--vocab",
+        str(args.vocab),
+        "--batch",
+        str(args.batch),
+    ]
     rows, raw = [], {}
     for layers in args.layers:
         for entry in args.restarts:
@@ -178,21 +198,52 @@ def restarts(args: argparse.Namespace) -> None:
                 env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": cache_dir}
                 for which in ("cold", "warm"):
                     out = Path(cache_dir) / f"{which}.json"
-                    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-                               str(args.nproc), str(script), "--launch", "--systems", system, "--layers", str(layers),
-                               "--out", str(out), *shared, *(["--options", json.dumps(options)] if options else [])]
+                    command = [
+                        sys.executable,
+                        "-m",
+                        "torch.distributed.run",
+                        "--standalone",
+                        "--nproc-per-node",
+                        str(args.nproc),
+                        str(script),
+                        "--launch",
+                        "--systems",
+                        system,
+                        "--layers",
+                        str(layers),
+                        "--out",
+                        str(out),
+                        *shared,
+                        *(["--options", json.dumps(options)] if options else []),
+                    ]
                     subprocess.run(command, env=env, check=True)
                     seconds[which] = json.loads(out.read_text())
             cold, warm = seconds["cold"]["seconds"], seconds["warm"]["seconds"]
             raw[f"{layers}/{entry}"] = seconds
-            rows.append([layers, entry, f"{cold:.2f}", f"{warm:.2f}", f"{warm / cold:.2f}",
-                         seconds["warm"]["loaded"] if system == "compshard" else ""])
+            rows.append(
+                [
+                    layers,
+                    entry,
+                    f"{cold:.2f}",
+                    f"{warm:.2f}",
+                    f"{warm / cold:.2f}",
+                    seconds["warm"]["loaded"] if system == "compshard" else "",
+                ]
+            )
             print(f"{layers} layers, {entry}: cold {cold:.2f} s, warm {warm:.2f} s", file=sys.stderr, flush=True)
-    print(f"first step incl. compilation, cold and warm launch, world size {args.nproc}, GPT width {args.width}, "
-          f"seq {args.seq}, batch {args.batch} per rank")
+    print(
+        f"first step incl. compilation, cold and warm launch, world size {args.nproc}, GPT width {args.width}, "
+        f"seq {args.seq}, batch {args.batch} per rank"
+    )
     print(tabulate(rows, headers=["layers", "entry", "cold s", "warm s", "warm/cold", "graphs from cache"]))
-    record = {"command": " ".join([sys.executable, *sys.argv]), "torch": torch.__version__, "config": vars(args),
-              "rows": rows, "raw": raw, "wall_seconds": time.perf_counter() - started}
+    record = {
+        "command": " ".join([sys.executable, *sys.argv]),
+        "torch": torch.__version__,
+        "config": vars(args),
+        "rows": rows,
+        "raw": raw,
+        "wall_seconds": time.perf_counter() - started,
+    }
     Path(args.out).write_text(json.dumps(record, indent=1))
 
 
@@ -227,11 +278,15 @@ def main() -> None:
             ratio = medians[system] / medians["aot_eager"] if "aot_eager" in medians else None
             rows.append([layers, system, f"{medians[system]:.2f}", f"{ratio:.2f}" if ratio else ""])
         if passes:
-            per_pass[layers] = {name: statistics.median(p.get(name, 0.0) for p in passes)
-                                for name in dict.fromkeys(n for p in passes for n in p)}
+            per_pass[layers] = {
+                name: statistics.median(p.get(name, 0.0) for p in passes)
+                for name in dict.fromkeys(n for p in passes for n in p)
+            }
     if rank == 0:
-        print(f"first step incl. compilation, world size {world_size}, GPT width {args.width}, "
-              f"seq {args.seq}, batch {args.batch} per rank, median of {args.repeats}")
+        print(
+            f"first step incl. compilation, world size {world_size}, GPT width {args.width}, "
+            f"seq {args.seq}, batch {args.batch} per rank, median of {args.repeats}"
+        )
         print(tabulate(rows, headers=["layers", "system", "seconds", "vs aot_eager"]))
         if per_pass:
             names = list(dict.fromkeys(n for p in per_pass.values() for n in p))

@@ -52,8 +52,9 @@ KERNELS = ("ag_in", "ag_out", "rs_in", "rs_out")
 
 def parse_args(argv=None):
     p = make_parser(__doc__)
-    p.add_argument("--out", default=str(REPO_ROOT / "benchmarks" / "results" / "kernels.json"),
-                   help="JSON results path")
+    p.add_argument(
+        "--out", default=str(REPO_ROOT / "benchmarks" / "results" / "kernels.json"), help="JSON results path"
+    )
     p.add_argument("--sizes-mb", type=float, nargs="+", default=[1, 4, 16, 64, 256, 1024], help="bucket sizes in MiB")
     p.add_argument("--params", type=int, nargs="+", default=[1, 10, 100, 1000], help="parameters per bucket")
     p.add_argument("--kernels", nargs="+", choices=KERNELS, default=list(KERNELS))
@@ -63,16 +64,27 @@ def parse_args(argv=None):
     p.add_argument("--unaligned", action="store_true", help="odd shard lengths (no 16-byte vector accesses)")
     p.add_argument("--repeats", type=int, default=7, help="timed repeats; the median is reported")
     p.add_argument("--target-ms", type=float, default=20.0, help="approximate length of one timed loop")
-    p.add_argument("--d2d-mb", type=float, default=1024, help="size (MiB) of the reference copy (device-to-device; with --cpu a CPU copy)")
+    p.add_argument(
+        "--d2d-mb",
+        type=float,
+        default=1024,
+        help="size (MiB) of the reference copy (device-to-device; with --cpu a CPU copy)",
+    )
     p.add_argument("--block-bytes", type=int, default=None, help="override the kernel block size (tuning)")
     p.add_argument("--num-warps", type=int, default=None, help="override the kernel's num_warps (tuning)")
     p.add_argument("--no-check", action="store_true", help="skip the bitwise check against the baseline")
-    p.add_argument("--cpu", action="store_true",
-                   help="measure the CPU path (the torch reference) at the sizes given, against a CPU copy")
+    p.add_argument(
+        "--cpu",
+        action="store_true",
+        help="measure the CPU path (the torch reference) at the sizes given, against a CPU copy",
+    )
     p.add_argument("--threads", type=int, default=None, help="with --cpu: torch's intra-op threads (default: torch's)")
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="tiny sizes on CPU (reference path, or the Triton interpreter if TRITON_INTERPRET=1): "
-                        "checks that the script runs, numbers are meaningless")
+    p.add_argument(
+        "--cpu-smoke",
+        action="store_true",
+        help="tiny sizes on CPU (reference path, or the Triton interpreter if TRITON_INTERPRET=1): "
+        "checks that the script runs, numbers are meaningless",
+    )
     args = p.parse_args(argv)
     if args.threads is not None and (args.threads < 1 or not args.cpu):
         p.error("--threads needs --cpu and must be at least 1")
@@ -262,9 +274,11 @@ def main(args) -> int:
         timer = CpuTimer(args.repeats, args.target_ms)
     else:
         if not torch.cuda.is_available():
-            log("bench_kernels.py: no CUDA device is available; this benchmark measures GPU bandwidth.\n"
+            log(
+                "bench_kernels.py: no CUDA device is available; this benchmark measures GPU bandwidth.\n"
                 "Run it on a machine with an NVIDIA GPU, pass --cpu to measure the CPU path, or --cpu-smoke to check "
-                "that the script runs.")
+                "that the script runs."
+            )
             return 2
         device = torch.device("cuda")
         timer = CudaTimer(args.repeats, args.target_ms)
@@ -273,8 +287,11 @@ def main(args) -> int:
     if args.num_warps:
         _triton_launch.NUM_WARPS = args.num_warps
     backend = K.select_backend(device)
-    device_name = (torch.cuda.get_device_name(device) if device.type == "cuda"
-                   else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads")
+    device_name = (
+        torch.cuda.get_device_name(device)
+        if device.type == "cuda"
+        else f"{platform.processor() or 'cpu'}, {torch.get_num_threads()} threads"
+    )
     log(f"device: {device_name}; kernels run via: {backend}")
 
     copy_name = "D2D" if device.type == "cuda" else "CPU"
@@ -296,39 +313,85 @@ def main(args) -> int:
         t_ours, host_ours = timer(ours)
         t_base, host_base = timer(baseline)
         row = {
-            "kernel": kind, "bucket_mb": size_mb, "params": num_params, "shard_elements": S,
+            "kernel": kind,
+            "bucket_mb": size_mb,
+            "params": num_params,
+            "shard_elements": S,
             "bytes_moved": moved,
-            "ours_gbps": moved / t_ours / 1e9, "torch_gbps": moved / t_base / 1e9,
-            "speedup": t_base / t_ours, "pct_of_d2d": 100 * moved / t_ours / 1e9 / d2d,
-            "ours_us": t_ours * 1e6, "torch_us": t_base * 1e6,
-            "ours_host_us": host_ours * 1e6, "torch_host_us": host_base * 1e6, "matches_baseline": ok,
+            "ours_gbps": moved / t_ours / 1e9,
+            "torch_gbps": moved / t_base / 1e9,
+            "speedup": t_base / t_ours,
+            "pct_of_d2d": 100 * moved / t_ours / 1e9 / d2d,
+            "ours_us": t_ours * 1e6,
+            "torch_us": t_base * 1e6,
+            "ours_host_us": host_ours * 1e6,
+            "torch_host_us": host_base * 1e6,
+            "matches_baseline": ok,
         }
         rows.append(row)
-        log(f"  ours {row['ours_gbps']:.1f} GB/s ({row['pct_of_d2d']:.0f}% of {copy_name} copy), "
-            f"torch {row['torch_gbps']:.1f} GB/s, x{row['speedup']:.2f}")
+        log(
+            f"  ours {row['ours_gbps']:.1f} GB/s ({row['pct_of_d2d']:.0f}% of {copy_name} copy), "
+            f"torch {row['torch_gbps']:.1f} GB/s, x{row['speedup']:.2f}"
+        )
         del ours, baseline, check
         if device.type == "cuda":
             torch.cuda.empty_cache()
 
     from tabulate import tabulate
 
-    table = [[r["kernel"], f"{r['bucket_mb']:g}", r["params"], f"{r['ours_gbps']:.1f}", f"{r['torch_gbps']:.1f}",
-              f"{r['speedup']:.2f}", f"{r['pct_of_d2d']:.0f}", f"{r['ours_us']:.1f}", f"{r['torch_us']:.1f}",
-              f"{r['ours_host_us']:.1f}", {True: "ok", False: "MISMATCH", None: "-"}[r["matches_baseline"]]]
-             for r in rows]
-    headers = ["kernel", "bucket MiB", "params", "ours GB/s", "torch GB/s", "speedup", f"% {copy_name}", "ours us", "torch us",
-               "host us", "check"]
-    print(f"device: {device_name} | backend: {backend} | {copy_name} copy: {d2d:.1f} GB/s | world size {args.world_size} | "
-          f"param {args.param_dtype}, comm {args.comm_dtype}{' | unaligned' if args.unaligned else ''}")
+    table = [
+        [
+            r["kernel"],
+            f"{r['bucket_mb']:g}",
+            r["params"],
+            f"{r['ours_gbps']:.1f}",
+            f"{r['torch_gbps']:.1f}",
+            f"{r['speedup']:.2f}",
+            f"{r['pct_of_d2d']:.0f}",
+            f"{r['ours_us']:.1f}",
+            f"{r['torch_us']:.1f}",
+            f"{r['ours_host_us']:.1f}",
+            {True: "ok", False: "MISMATCH", None: "-"}[r["matches_baseline"]],
+        ]
+        for r in rows
+    ]
+    headers = [
+        "kernel",
+        "bucket MiB",
+        "params",
+        "ours GB/s",
+        "torch GB/s",
+        "speedup",
+        f"% {copy_name}",
+        "ours us",
+        "torch us",
+        "host us",
+        "check",
+    ]
+    print(
+        f"device: {device_name} | backend: {backend} | {copy_name} copy: {d2d:.1f} GB/s | "
+        f"world size {args.world_size} | "
+        f"param {args.param_dtype}, comm {args.comm_dtype}{' | unaligned' if args.unaligned else ''}"
+    )
     print(tabulate(table, headers=headers, tablefmt="github"))
 
     result = {
-        "device": device_name, "backend": backend, "cpu_smoke": args.cpu_smoke,
-        "torch": torch.__version__, "triton": _triton_version(), "python": platform.python_version(),
-        "world_size": args.world_size, "param_dtype": args.param_dtype, "comm_dtype": args.comm_dtype,
-        "unaligned": args.unaligned, "repeats": args.repeats,
-        "block_bytes": _triton_launch.BLOCK_BYTES, "num_warps": _triton_launch.NUM_WARPS,
-        "d2d_gbps": d2d, "gbps_counts": "bytes read + bytes written", "results": rows,
+        "device": device_name,
+        "backend": backend,
+        "cpu_smoke": args.cpu_smoke,
+        "torch": torch.__version__,
+        "triton": _triton_version(),
+        "python": platform.python_version(),
+        "world_size": args.world_size,
+        "param_dtype": args.param_dtype,
+        "comm_dtype": args.comm_dtype,
+        "unaligned": args.unaligned,
+        "repeats": args.repeats,
+        "block_bytes": _triton_launch.BLOCK_BYTES,
+        "num_warps": _triton_launch.NUM_WARPS,
+        "d2d_gbps": d2d,
+        "gbps_counts": "bytes read + bytes written",
+        "results": rows,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,8 @@
 """Pipeline benchmark: compshard.pipeline against torch.distributed.pipelining with FSDP2 stages.
 
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_pipeline.py
-    torchrun --standalone --nproc-per-node 4 benchmarks/bench_pipeline.py --systems compshard,compshard-per-microbatch,fsdp2
+    torchrun --standalone --nproc-per-node 4 benchmarks/bench_pipeline.py \
+        --systems compshard,compshard-per-microbatch,fsdp2
     torchrun --standalone --nproc-per-node 4 benchmarks/bench_pipeline.py --microbatches 8 --options '{"prefetch": 1}'
 
 The ranks form a (pp, dp) mesh: --stages pipeline stages, each sharded over
@@ -56,9 +57,10 @@ import argparse
 import copy
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable, NamedTuple
+from typing import NamedTuple
 
 from cli import add_workload_arguments, make_parser, parse_options, parse_systems, parse_workload_arguments
 
@@ -75,8 +77,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedule", choices=SCHEDULE_NAMES, default="1f1b", help="pipeline schedule")
     parser.add_argument("--systems", default="compshard,fsdp2", help=f"comma-separated, of {list(SYSTEM_NAMES)}")
     parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "pipeline.json",
-                        help="JSON file to write")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "pipeline.json",
+        help="JSON file to write",
+    )
     args = parse_workload_arguments(parser, argv)
     if min(args.steps, args.warmup, args.batch, args.layers, args.stages, args.microbatches) < 1:
         parser.error("--steps, --warmup, --batch, --layers, --stages and --microbatches must be at least 1")
@@ -91,6 +97,7 @@ if __name__ == "__main__":
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
+from harness import init_distributed, make_workload, peak_tensor_bytes, progress, state_bytes, write_results  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh  # noqa: E402
@@ -102,8 +109,6 @@ from compshard import cost_model  # noqa: E402
 from compshard.models import GPTConfig  # noqa: E402
 from compshard.pipeline import SCHEDULES, StepLoss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
 from compshard.pipeline_stages import Partition, build_stage_module, partition_stages  # noqa: E402
-from harness import (  # noqa: E402
-    init_distributed, make_workload, peak_tensor_bytes, progress, state_bytes, write_results)
 
 assert set(SCHEDULES) == set(SCHEDULE_NAMES), "SCHEDULE_NAMES lists compshard.pipeline.SCHEDULES for --help"
 
@@ -135,25 +140,37 @@ def with_optimizer(stage: nn.Module, pipeline_step: Step, partition: Partition) 
     return System(step, partition, stage, opt)
 
 
-def build_compshard(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh, args,
-                    compiled: bool, reshard: str) -> System:
+def build_compshard(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh, args, compiled: bool, reshard: str
+) -> System:
     x, y = batch
-    pipe = compshard.pipeline(model, gpt_loss, stages=args.stages, microbatches=args.microbatches, example_inputs=x,
-                              schedule=args.schedule, mesh=mesh, compile=compiled,
-                              compile_options=args.options if compiled else None, reshard=reshard)
+    pipe = compshard.pipeline(
+        model,
+        gpt_loss,
+        stages=args.stages,
+        microbatches=args.microbatches,
+        example_inputs=x,
+        schedule=args.schedule,
+        mesh=mesh,
+        compile=compiled,
+        compile_options=args.options if compiled else None,
+        reshard=reshard,
+    )
     return with_optimizer(pipe.module, lambda: pipe.step(x, y), pipe.partition)
 
 
-def build_system(name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh, args,
-                 device: torch.device) -> System:
+def build_system(
+    name: str, model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh, args, device: torch.device
+) -> System:
     if name == "fsdp2":
         return build_fsdp2(model, batch, mesh, args, device)
     reshard = "per_microbatch" if name == "compshard-per-microbatch" else "per_step"
     return build_compshard(model, batch, mesh, args, compiled=name != "compshard-eager", reshard=reshard)
 
 
-def build_fsdp2(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh, args,
-                device: torch.device) -> System:
+def build_fsdp2(
+    model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh: DeviceMesh, args, device: torch.device
+) -> System:
     """The stage compshard.pipeline would build (the same cut, from the same cost model),
     sharded as one FSDP2 unit and run by torch.distributed.pipelining."""
     x, y = batch
@@ -171,8 +188,12 @@ def build_fsdp2(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor], mesh
 
     def pipeline_step() -> torch.Tensor:
         losses: list[torch.Tensor] = []
-        schedule.step(*((x,) if is_first else ()), target=y if is_last else None, losses=losses if is_last else None,
-                      return_outputs=False)
+        schedule.step(
+            *((x,) if is_first else ()),
+            target=y if is_last else None,
+            losses=losses if is_last else None,
+            return_outputs=False,
+        )
         sum_tied_gradients(tied)
         return step_loss(losses, device)
 
@@ -197,15 +218,19 @@ def main(args: argparse.Namespace) -> None:
         raise SystemExit(f"--stages {args.stages} must divide the world size {world_size}")
     replicas = world_size // args.stages
     if args.batch % (replicas * args.microbatches):
-        raise SystemExit(f"--batch {args.batch} must be a multiple of dp ({replicas}) x --microbatches "
-                         f"({args.microbatches})")
+        raise SystemExit(
+            f"--batch {args.batch} must be a multiple of dp ({replicas}) x --microbatches ({args.microbatches})"
+        )
     mesh = init_device_mesh(device.type, (args.stages, replicas), mesh_dim_names=("pp", "dp"))
-    cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                    n_embd=args.width)
+    cfg = GPTConfig(
+        vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width
+    )
     reference, batch = make_workload(cfg, args.batch, mesh["dp"].get_local_rank(), replicas, device)
-    progress(f"GPT {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, {args.stages} stages x "
-             f"{replicas} shards on {device.type} ({dist.get_backend()}), schedule {args.schedule}, "
-             f"{args.microbatches} micro-batches, global batch {args.batch} x {cfg.block_size} tokens")
+    progress(
+        f"GPT {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, {args.stages} stages x "
+        f"{replicas} shards on {device.type} ({dist.get_backend()}), schedule {args.schedule}, "
+        f"{args.microbatches} micro-batches, global batch {args.batch} x {cfg.block_size} tokens"
+    )
     started = time.perf_counter()
 
     systems = {name: build_system(name, copy.deepcopy(reference), batch, mesh, args, device) for name in args.systems}
@@ -251,22 +276,46 @@ def main(args: argparse.Namespace) -> None:
         if baseline is not None:
             row["step_vs_fsdp2"] = row["median_step_seconds"] / baseline["median_step_seconds"]
             row["final_loss_rel_diff_vs_fsdp2"] = abs(row["losses"][-1] - baseline["losses"][-1]) / abs(
-                baseline["losses"][-1])
-        table.append([
-            name, f"{row['median_step_seconds'] * 1e3:.1f}",
-            f"{row['step_vs_fsdp2']:.2f}" if baseline else "-",
-            f"{row['peak_bytes'] / 2**20:.1f}",
-            f"{row['losses'][-1]:.6f}",
-            f"{row['final_loss_rel_diff_vs_fsdp2']:.1e}" if baseline else "-",
-        ])
+                baseline["losses"][-1]
+            )
+        table.append(
+            [
+                name,
+                f"{row['median_step_seconds'] * 1e3:.1f}",
+                f"{row['step_vs_fsdp2']:.2f}" if baseline else "-",
+                f"{row['peak_bytes'] / 2**20:.1f}",
+                f"{row['losses'][-1]:.6f}",
+                f"{row['final_loss_rel_diff_vs_fsdp2']:.1e}" if baseline else "-",
+            ]
+        )
     if rank == 0:
-        print(tabulate(table, headers=["system", "median step ms", "step/fsdp2", "peak MiB/rank", "final loss",
-                                       "final loss rel. diff vs fsdp2"]))
+        print(
+            tabulate(
+                table,
+                headers=[
+                    "system",
+                    "median step ms",
+                    "step/fsdp2",
+                    "peak MiB/rank",
+                    "final loss",
+                    "final loss rel. diff vs fsdp2",
+                ],
+            )
+        )
         disagree = [name for name, row in rows.items() if row.get("final_loss_rel_diff_vs_fsdp2", 0) > LOSS_RTOL]
         print(f"final losses agree to {LOSS_RTOL:g}: " + (f"no ({', '.join(disagree)})" if disagree else "yes"))
-        config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                  "stages": args.stages, "data_parallel": replicas, "microbatches": args.microbatches,
-                  "schedule": args.schedule, "systems": args.systems, "options": args.options}
+        config = {
+            **asdict(cfg),
+            "global_batch": args.batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "stages": args.stages,
+            "data_parallel": replicas,
+            "microbatches": args.microbatches,
+            "schedule": args.schedule,
+            "systems": args.systems,
+            "options": args.options,
+        }
         write_results(args.out, device, config, started, rows, cut_points=cuts[args.systems[0]])
     dist.barrier()  # tear down together: rank 0 was still writing
     dist.destroy_process_group()

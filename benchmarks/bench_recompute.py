@@ -36,13 +36,22 @@ from pathlib import Path
 
 from cli import add_workload_arguments, make_parser, parse_workload_arguments
 
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
     add_workload_arguments(parser, per="policy")
-    parser.add_argument("--budget-mb", type=float, default=None,
-                        help="budget (MiB) of the budget policy; None: half-way between full and none")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "recompute.json",
-                        help="JSON file to write")
+    parser.add_argument(
+        "--budget-mb",
+        type=float,
+        default=None,
+        help="budget (MiB) of the budget policy; None: half-way between full and none",
+    )
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "recompute.json",
+        help="JSON file to write",
+    )
     args = parse_workload_arguments(parser, argv)
     if min(args.steps, args.warmup, args.batch, args.layers) < 1:
         parser.error("--steps, --warmup, --batch and --layers must be at least 1")
@@ -56,13 +65,16 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from harness import (  # noqa: E402
+    mib,
+    start_workload,
+    train,
+    wrap_compshard,
+    write_results,
+)
 from tabulate import tabulate  # noqa: E402
 
 import compshard  # noqa: E402
-from harness import (  # noqa: E402
-    mib, train, start_workload, wrap_compshard,
-    write_results,
-)
 
 FIXED_POLICIES = ("none", "selective", "full")
 
@@ -72,8 +84,13 @@ def saved_for_backward(reference: torch.nn.Module, batch: tuple[torch.Tensor, ..
     model = compshard.shard(copy.deepcopy(reference).to(batch[0].device))
     plan = compshard.inspect(model, *batch, options={"recompute": policy}).recompute
     torch._dynamo.reset()
-    return {"saved": plan.saved, "planned_bytes": plan.planned_bytes, "fits": plan.fits, "levels": plan.levels,
-            "blocks": plan.blocks_summary()}
+    return {
+        "saved": plan.saved,
+        "planned_bytes": plan.planned_bytes,
+        "fits": plan.fits,
+        "levels": plan.levels,
+        "blocks": plan.blocks_summary(),
+    }
 
 
 def row(policy, result, plan: dict) -> dict:
@@ -104,15 +121,32 @@ def plan_summary(row: dict) -> str:
 def table(rows: dict[str, dict]) -> list[list]:
     base = rows["none"]["median_step_seconds"]
     return [
-        [name, mib(row["saved_bytes"]["activations"]), mib(row["saved_bytes"]["gathered params"]),
-         mib(row["saved_bytes"]["inputs"]), mib(row["peak_bytes"]), f"{row['median_step_seconds'] * 1e3:.1f}",
-         f"{row['median_step_seconds'] / base:.2f}", f"{row['losses'][-1]:.4f}", plan_summary(row)]
+        [
+            name,
+            mib(row["saved_bytes"]["activations"]),
+            mib(row["saved_bytes"]["gathered params"]),
+            mib(row["saved_bytes"]["inputs"]),
+            mib(row["peak_bytes"]),
+            f"{row['median_step_seconds'] * 1e3:.1f}",
+            f"{row['median_step_seconds'] / base:.2f}",
+            f"{row['losses'][-1]:.4f}",
+            plan_summary(row),
+        ]
         for name, row in rows.items()
     ]
 
 
-HEADERS = ["policy", "saved activations MiB/rank", "saved gathered params MiB", "saved inputs MiB",
-           "peak MiB/rank", "step ms", "step/none", "final loss", "plan (blocks)"]
+HEADERS = [
+    "policy",
+    "saved activations MiB/rank",
+    "saved gathered params MiB",
+    "saved inputs MiB",
+    "peak MiB/rank",
+    "step ms",
+    "step/none",
+    "final loss",
+    "plan (blocks)",
+]
 
 
 def main(args: argparse.Namespace) -> None:
@@ -131,14 +165,25 @@ def main(args: argparse.Namespace) -> None:
     name = f"budget {budget_mb} MiB"
     policies[name] = {"budget_mb": budget_mb}
     plans[name] = saved_for_backward(reference, batch, policies[name])
-    results = train({name: functools.partial(wrap_compshard, recompute=policy) for name, policy in policies.items()},
-                    reference, batch, steps=args.steps, warmup=args.warmup, device=device)
+    results = train(
+        {name: functools.partial(wrap_compshard, recompute=policy) for name, policy in policies.items()},
+        reference,
+        batch,
+        steps=args.steps,
+        warmup=args.warmup,
+        device=device,
+    )
     rows = {name: row(policy, results[name], plans[name]) for name, policy in policies.items()}
 
     if rank == 0:
         print(tabulate(table(rows), headers=HEADERS))
-        config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                  "budget_mb": budget_mb}
+        config = {
+            **asdict(cfg),
+            "global_batch": args.batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "budget_mb": budget_mb,
+        }
         write_results(args.out, device, config, started, rows, load_average_before_after=[load_before, os.getloadavg()])
     dist.barrier()  # tear down together: rank 0 was still writing
     dist.destroy_process_group()

@@ -86,7 +86,14 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from cli import SYSTEM_NAMES, add_workload_arguments, make_parser, parse_options, parse_systems, parse_workload_arguments
+from cli import (
+    SYSTEM_NAMES,
+    add_workload_arguments,
+    make_parser,
+    parse_options,
+    parse_systems,
+    parse_workload_arguments,
+)
 
 
 def check_fake_world(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
@@ -95,8 +102,7 @@ def check_fake_world(parser: argparse.ArgumentParser, args: argparse.Namespace) 
     if "WORLD_SIZE" in os.environ:
         parser.error("--fake-world runs one process on its own: start it with python, not torchrun")
     if "ddp" in args.systems:
-        parser.error("--fake-world: DDP's gradient hooks fail under the fake process group; leave ddp out of "
-                     "--systems")
+        parser.error("--fake-world: DDP's gradient hooks fail under the fake process group; leave ddp out of --systems")
     if args.batch % args.fake_world:
         parser.error(f"--batch {args.batch} must be a multiple of --fake-world {args.fake_world}")
 
@@ -105,24 +111,48 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
     add_workload_arguments(parser, per="system")
     parser.add_argument("--comm-repeats", type=int, default=10, help="timed replays of each system's collectives")
-    parser.add_argument("--systems", default=argparse.SUPPRESS,
-                        help=f"comma-separated, of {list(SYSTEM_NAMES)} (default: all; with --fake-world all but ddp)")
+    parser.add_argument(
+        "--systems",
+        default=argparse.SUPPRESS,
+        help=f"comma-separated, of {list(SYSTEM_NAMES)} (default: all; with --fake-world all but ddp)",
+    )
     parser.add_argument("--options", default="{}", help="compshard compile options, as JSON")
-    parser.add_argument("--fake-world", type=int, default=None, metavar="N",
-                        help="run as rank 0 of N under torch's fake process group (no torchrun; communication free)")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "step.json",
-                        help="JSON file to write")
-    parser.add_argument("--model", choices=["gpt", "llama"], default="gpt",
-                        help="gpt: compshard's GPT of --size and the shape options; llama: transformers' "
-                             "LlamaForCausalLM of harness.LlamaShape (TinyLlama-1.1B's shape) with --llama-shape")
-    parser.add_argument("--llama-shape", default="{}",
-                        help='--model llama: harness.LlamaShape fields to change, as JSON (e.g. \'{"n_layer": 2}\')')
-    parser.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                        help="bf16: mixed precision, parameters gathered in bf16 and gradients reduced in fp32 "
-                             "(compshard's param_dtype, FSDP2's MixedPrecisionPolicy); the compute-only run "
-                             "under autocast")
-    parser.add_argument("--peak-tflops", type=float, default=None,
-                        help="the device's peak TFLOP/s in --dtype, for model FLOPs utilization (MFU) per rank")
+    parser.add_argument(
+        "--fake-world",
+        type=int,
+        default=None,
+        metavar="N",
+        help="run as rank 0 of N under torch's fake process group (no torchrun; communication free)",
+    )
+    parser.add_argument(
+        "--out", type=Path, default=Path(__file__).resolve().parent / "results" / "step.json", help="JSON file to write"
+    )
+    parser.add_argument(
+        "--model",
+        choices=["gpt", "llama"],
+        default="gpt",
+        help="gpt: compshard's GPT of --size and the shape options; llama: transformers' "
+        "LlamaForCausalLM of harness.LlamaShape (TinyLlama-1.1B's shape) with --llama-shape",
+    )
+    parser.add_argument(
+        "--llama-shape",
+        default="{}",
+        help="--model llama: harness.LlamaShape fields to change, as JSON (e.g. '{\"n_layer\": 2}')",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="bf16: mixed precision, parameters gathered in bf16 and gradients reduced in fp32 "
+        "(compshard's param_dtype, FSDP2's MixedPrecisionPolicy); the compute-only run "
+        "under autocast",
+    )
+    parser.add_argument(
+        "--peak-tflops",
+        type=float,
+        default=None,
+        help="the device's peak TFLOP/s in --dtype, for model FLOPs utilization (MFU) per rank",
+    )
     args = parse_workload_arguments(parser, argv)
     if min(args.steps, args.warmup, args.batch, args.layers, args.comm_repeats) < 1:
         parser.error("--steps, --warmup, --batch, --layers and --comm-repeats must be at least 1")
@@ -143,16 +173,26 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from harness import (  # noqa: E402
+    COMPSHARD_SYSTEMS,
+    SYSTEMS,
+    LlamaShape,
+    Result,
+    compute_only,
+    flops_per_token,
+    mib,
+    progress,
+    start_workload,
+    train,
+    wrap_fsdp2,
+    write_results,
+)
 from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import compshard  # noqa: E402
 from compshard.ops import all_gather_rows, exchange_rows, sum_rows  # noqa: E402
-from harness import (  # noqa: E402
-    COMPSHARD_SYSTEMS, SYSTEMS, LlamaShape, Result, compute_only, flops_per_token, mib, progress, start_workload, train,
-    wrap_fsdp2, write_results,
-)
 
 COMPUTE_ONLY = "compute-only"
 DDP_BUCKET_BYTES = (1 << 20, 25 << 20)  # DDP's first bucket, then bucket_cap_mb=25
@@ -178,7 +218,10 @@ class Collective:
 
 
 def compshard_collectives(
-    reference: nn.Module, batch: tuple[torch.Tensor, ...], options: dict, param_dtype: torch.dtype | None,
+    reference: nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    options: dict,
+    param_dtype: torch.dtype | None,
 ) -> list[Collective]:
     """The collectives compshard schedules for one step, from ``compshard.inspect`` (with
     the fx codegen: the schedule is the same, and Inductor's compile would be spent twice)."""
@@ -186,12 +229,18 @@ def compshard_collectives(
     compshard.shard(model, param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
     report = compshard.inspect(model, *batch, options={**options, "codegen": "fx"})
     torch._dynamo.reset()
-    return [Collective(c["kind"], c["bytes"], c["op"] if c["op"] in ("exchange_rows_", "gather_rows_") else "")
-            for c in report.collectives if c["kind"] != "free"]
+    return [
+        Collective(c["kind"], c["bytes"], c["op"] if c["op"] in ("exchange_rows_", "gather_rows_") else "")
+        for c in report.collectives
+        if c["kind"] != "free"
+    ]
 
 
 def fsdp2_collectives(
-    reference: nn.Module, device: torch.device, world_size: int, param_dtype: torch.dtype | None,
+    reference: nn.Module,
+    device: torch.device,
+    world_size: int,
+    param_dtype: torch.dtype | None,
 ) -> list[Collective]:
     """FSDP2's collectives for one step, derived from the units harness.wrap_fsdp2 makes
     (all-gathers in ``param_dtype`` where given, reduce-scatters in the parameters' dtype)."""
@@ -210,8 +259,11 @@ def fsdp2_collectives(
         reduced[owned[id(param)]] += padded * param.element_size()
     # The root is not resharded after forward: gathered once, in forward.
     forward = [Collective("all_gather", n) for n in gathered]
-    backward = [c for unit in reversed(range(1, len(units)))
-                for c in (Collective("all_gather", gathered[unit]), Collective("reduce_scatter", reduced[unit]))]
+    backward = [
+        c
+        for unit in reversed(range(1, len(units)))
+        for c in (Collective("all_gather", gathered[unit]), Collective("reduce_scatter", reduced[unit]))
+    ]
     return forward + backward + [Collective("reduce_scatter", reduced[0])]
 
 
@@ -230,7 +282,11 @@ def ddp_collectives(reference: nn.Module) -> list[Collective]:
 
 
 def step_collectives(
-    system: str, reference: nn.Module, batch: tuple[torch.Tensor, ...], options: dict, world_size: int,
+    system: str,
+    reference: nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    options: dict,
+    world_size: int,
     param_dtype: torch.dtype | None,
 ) -> list[Collective]:
     """The collectives one training step of ``system`` issues."""
@@ -244,7 +300,10 @@ def step_collectives(
 
 
 def replay_seconds(
-    collectives: list[Collective], device: torch.device, repeats: int, group: dist.ProcessGroup,
+    collectives: list[Collective],
+    device: torch.device,
+    repeats: int,
+    group: dist.ProcessGroup,
 ) -> list[float]:
     """Seconds per replay of ``collectives``, one after another, on ``group`` (every rank's)."""
     world_size = group.size()
@@ -309,23 +368,44 @@ def summarize(rows: dict[str, dict], tokens: int, flops_per_rank_step: float, pe
         )
         row["step_vs_floor"] = step / row["floor_seconds"]
         row["mfu"] = flops_per_rank_step / step / peak_flops if peak_flops else None
-        table.append([
-            name, f"{row['losses'][-1]:.4f}", f"{step * 1e3:.1f}",
-            "-" if row["step_vs_fsdp2"] is None else f"{row['step_vs_fsdp2']:.2f}",
-            f"{row['tokens_per_second']:,.0f}", mib(row["peak_bytes"]),
-            "-" if row["peak_vs_fsdp2"] is None else f"{row['peak_vs_fsdp2']:.2f}",
-            mib(row["state_bytes"]), len(row["collectives"]), f"{row['comm_seconds'] * 1e3:.1f}",
-            f"{row['lower_bound_seconds'] * 1e3:.1f}", f"{row['floor_seconds'] * 1e3:.1f}",
-            f"{row['step_vs_floor']:.2f}", f"{row['exposed_comm_seconds'] * 1e3:.1f}",
-            "-" if row["mfu"] is None else f"{row['mfu']:.1%}",
-        ])
+        table.append(
+            [
+                name,
+                f"{row['losses'][-1]:.4f}",
+                f"{step * 1e3:.1f}",
+                "-" if row["step_vs_fsdp2"] is None else f"{row['step_vs_fsdp2']:.2f}",
+                f"{row['tokens_per_second']:,.0f}",
+                mib(row["peak_bytes"]),
+                "-" if row["peak_vs_fsdp2"] is None else f"{row['peak_vs_fsdp2']:.2f}",
+                mib(row["state_bytes"]),
+                len(row["collectives"]),
+                f"{row['comm_seconds'] * 1e3:.1f}",
+                f"{row['lower_bound_seconds'] * 1e3:.1f}",
+                f"{row['floor_seconds'] * 1e3:.1f}",
+                f"{row['step_vs_floor']:.2f}",
+                f"{row['exposed_comm_seconds'] * 1e3:.1f}",
+                "-" if row["mfu"] is None else f"{row['mfu']:.1%}",
+            ]
+        )
     return table
 
 
 HEADERS = [
-    "system", "final loss", "step ms", "step/fsdp2", "tokens/s", "peak MiB/rank", "peak/fsdp2",
-    "params+grads+optim MiB/rank", "collectives/step", "comm alone ms", "lower bound ms", "floor ms", "step/floor",
-    "exposed comm ms", "MFU",
+    "system",
+    "final loss",
+    "step ms",
+    "step/fsdp2",
+    "tokens/s",
+    "peak MiB/rank",
+    "peak/fsdp2",
+    "params+grads+optim MiB/rank",
+    "collectives/step",
+    "comm alone ms",
+    "lower bound ms",
+    "floor ms",
+    "step/floor",
+    "exposed comm ms",
+    "MFU",
 ]
 
 
@@ -368,11 +448,16 @@ def main(args: argparse.Namespace) -> None:
     wraps = {COMPUTE_ONLY: functools.partial(compute_only, param_dtype=param_dtype)}
     for system in args.systems:
         options = args.options if system in COMPSHARD_SYSTEMS else {}
-        wraps[system] = SYSTEMS[system] if system == "ddp" \
+        wraps[system] = (
+            SYSTEMS[system]
+            if system == "ddp"
             else functools.partial(SYSTEMS[system], param_dtype=param_dtype, **options)
+        )
     # Before training: once FSDP2 + compile has run, Dynamo compiles the GPT differently.
-    collectives = {system: step_collectives(system, reference, batch, args.options, world_size, param_dtype)
-                   for system in args.systems}
+    collectives = {
+        system: step_collectives(system, reference, batch, args.options, world_size, param_dtype)
+        for system in args.systems
+    }
     results = train(wraps, reference, batch, steps=args.steps, warmup=args.warmup, device=device)
     rows: dict[str, dict] = {COMPUTE_ONLY: gather_row(results[COMPUTE_ONLY], [], [])}
     for system in args.systems:
@@ -381,8 +466,10 @@ def main(args: argparse.Namespace) -> None:
             progress(f"  {system}: {len(collectives[system])} collectives per step (fake process group: not replayed)")
         else:
             comm_times = replay_seconds(collectives[system], device, args.comm_repeats, dist.group.WORLD)
-            progress(f"  {system}: {len(collectives[system])} collectives per step, "
-                     f"alone {statistics.median(comm_times) * 1e3:.1f} ms")
+            progress(
+                f"  {system}: {len(collectives[system])} collectives per step, "
+                f"alone {statistics.median(comm_times) * 1e3:.1f} ms"
+            )
         rows[system] = gather_row(results[system], collectives[system], comm_times)
 
     tokens = args.batch * cfg.block_size
@@ -390,9 +477,18 @@ def main(args: argparse.Namespace) -> None:
     table = summarize(rows, tokens, flops_per_token(reference, cfg) * tokens / world_size, peak_flops)
     if rank == 0:
         print(tabulate(table, headers=HEADERS))
-        config = {**asdict(cfg), "global_batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-                  "comm_repeats": args.comm_repeats, "systems": args.systems, "options": args.options,
-                  "fake_world": args.fake_world, "model": args.model, "peak_tflops": args.peak_tflops}
+        config = {
+            **asdict(cfg),
+            "global_batch": args.batch,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "comm_repeats": args.comm_repeats,
+            "systems": args.systems,
+            "options": args.options,
+            "fake_world": args.fake_world,
+            "model": args.model,
+            "peak_tflops": args.peak_tflops,
+        }
         write_results(args.out, device, config, started, rows, dtype=args.dtype)
     dist.barrier()  # tear down together: rank 0 was still writing
     dist.destroy_process_group()

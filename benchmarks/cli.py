@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from typing import Sequence
+from collections.abc import Sequence
 
 # harness.SYSTEMS holds the functions under these names (checked there).
 SYSTEM_NAMES = ("compshard", "compshard-auto", "fsdp2", "fsdp2+compile", "fsdp2+compile-blocks", "ddp")
@@ -37,14 +37,24 @@ def add_workload_arguments(parser: argparse.ArgumentParser, per: str) -> None:
     parser.add_argument("--steps", type=int, default=20, help=f"timed steps per {per}")
     parser.add_argument("--warmup", type=int, default=2, help="untimed steps first (compilation happens here)")
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences)")
-    parser.add_argument("--size", choices=list(SIZES), default="small",
-                        help="GPT shape: " + "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in shape.items())
-                                                      for name, shape in SIZES.items())
-                        + " (the shape options below override single values)")
-    parser.add_argument("--layers", type=int, default=argparse.SUPPRESS, help="transformer blocks (default: from --size)")
-    parser.add_argument("--width", type=int, default=argparse.SUPPRESS, help="embedding width, n_embd (default: from --size)")
+    parser.add_argument(
+        "--size",
+        choices=list(SIZES),
+        default="small",
+        help="GPT shape: "
+        + "; ".join(f"{name}: " + ", ".join(f"{k} {v}" for k, v in shape.items()) for name, shape in SIZES.items())
+        + " (the shape options below override single values)",
+    )
+    parser.add_argument(
+        "--layers", type=int, default=argparse.SUPPRESS, help="transformer blocks (default: from --size)"
+    )
+    parser.add_argument(
+        "--width", type=int, default=argparse.SUPPRESS, help="embedding width, n_embd (default: from --size)"
+    )
     parser.add_argument("--heads", type=int, default=argparse.SUPPRESS, help="attention heads (default: from --size)")
-    parser.add_argument("--seq", type=int, default=argparse.SUPPRESS, help="sequence length, block_size (default: from --size)")
+    parser.add_argument(
+        "--seq", type=int, default=argparse.SUPPRESS, help="sequence length, block_size (default: from --size)"
+    )
     parser.add_argument("--vocab", type=int, default=argparse.SUPPRESS, help="vocabulary size (default: from --size)")
 
 

@@ -74,8 +74,9 @@ def progress(message: str) -> None:
 # ------------------------------------------------------------------------------ systems
 
 
-def wrap_compshard(model: nn.Module, mesh: DeviceMesh | None = None, param_dtype: torch.dtype | None = None,
-                   **compile_options) -> Callable:
+def wrap_compshard(
+    model: nn.Module, mesh: DeviceMesh | None = None, param_dtype: torch.dtype | None = None, **compile_options
+) -> Callable:
     """compshard: ``shard`` (mixed precision where ``param_dtype`` is given: gathered
     parameters in that dtype, gradients reduced in fp32), then ``torch.compile``."""
     compshard.shard(model, mesh=mesh, param_dtype=param_dtype, reduce_dtype=torch.float32 if param_dtype else None)
@@ -95,8 +96,12 @@ def _compshard_system(name: str) -> Wrap:
     return wrap
 
 
-def wrap_fsdp2(model: nn.Module, compile: Literal["no", "model", "blocks"] = "no",
-               param_dtype: torch.dtype | None = None, mesh: DeviceMesh | None = None) -> Callable:
+def wrap_fsdp2(
+    model: nn.Module,
+    compile: Literal["no", "model", "blocks"] = "no",
+    param_dtype: torch.dtype | None = None,
+    mesh: DeviceMesh | None = None,
+) -> Callable:
     """Eager FSDP2: ``fully_shard`` on each transformer block, then on the root (over
     ``mesh``, default: every rank; mixed precision where ``param_dtype`` is given,
     gradients reduced in fp32). ``compile``:
@@ -263,22 +268,33 @@ class _Run(NamedTuple):
 
 
 def train(
-    systems: dict[str, Wrap], reference: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-    *, steps: int, warmup: int, device: torch.device,
+    systems: dict[str, Wrap],
+    reference: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    *,
+    steps: int,
+    warmup: int,
+    device: torch.device,
 ) -> dict[str, Result]:
     """Train a copy of ``reference`` per system on this rank's ``batch``: the systems
     round-robin (see ``_train_together``), then each system of ``RUN_ALONE`` on its own."""
     together = {name: wrap for name, wrap in systems.items() if name not in RUN_ALONE}
     results = _train_together(together, reference, batch, steps=steps, warmup=warmup, device=device)
     for name in [name for name in systems if name in RUN_ALONE]:  # in the caller's order, the same on every rank
-        results.update(_train_together({name: systems[name]}, reference, batch, steps=steps, warmup=warmup,
-                                       device=device))
+        results.update(
+            _train_together({name: systems[name]}, reference, batch, steps=steps, warmup=warmup, device=device)
+        )
     return {name: results[name] for name in systems}
 
 
 def _train_together(
-    systems: dict[str, Wrap], reference: nn.Module, batch: tuple[torch.Tensor, torch.Tensor],
-    *, steps: int, warmup: int, device: torch.device,
+    systems: dict[str, Wrap],
+    reference: nn.Module,
+    batch: tuple[torch.Tensor, torch.Tensor],
+    *,
+    steps: int,
+    warmup: int,
+    device: torch.device,
 ) -> dict[str, Result]:
     """Each system's warm-up steps first (where compilation happens), then the timed
     steps round-robin, one step of every system in turn, so that drift of the machine's
@@ -324,8 +340,9 @@ def _train_together(
             times[name].append(timed(name, f"step {index + 1}/{steps}"))
     results = {}
     for name, run in runs.items():
-        peak = peak_tensor_bytes(lambda run=run: run.forward(*batch).backward(), device,
-                                 state_bytes(run.model, run.opt))
+        peak = peak_tensor_bytes(
+            lambda run=run: run.forward(*batch).backward(), device, state_bytes(run.model, run.opt)
+        )
         held = state_bytes(run.model, run.opt)  # now with this step's gradients
         run.opt.zero_grad(set_to_none=True)
         results[name] = Result(name, losses[name], times[name], peak, held)
@@ -371,9 +388,16 @@ def build_model(cfg: GPTConfig | LlamaShape) -> nn.Module:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=cfg.vocab_size, hidden_size=cfg.n_embd, intermediate_size=cfg.intermediate,
-        num_hidden_layers=cfg.n_layer, num_attention_heads=cfg.n_head, num_key_value_heads=cfg.n_kv_head,
-        max_position_embeddings=cfg.block_size, tie_word_embeddings=False, use_cache=False)
+        vocab_size=cfg.vocab_size,
+        hidden_size=cfg.n_embd,
+        intermediate_size=cfg.intermediate,
+        num_hidden_layers=cfg.n_layer,
+        num_attention_heads=cfg.n_head,
+        num_key_value_heads=cfg.n_kv_head,
+        max_position_embeddings=cfg.block_size,
+        tie_word_embeddings=False,
+        use_cache=False,
+    )
     return CausalLMLoss(LlamaForCausalLM(config))
 
 
@@ -406,8 +430,9 @@ def device_name(device: torch.device) -> str:
     return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
 
 
-def write_results(path: Path, device: torch.device, config: dict, started: float, rows: list, dtype: str = "fp32",
-                  **extra) -> None:
+def write_results(
+    path: Path, device: torch.device, config: dict, started: float, rows: list, dtype: str = "fp32", **extra
+) -> None:
     """The benchmark's JSON record: command, versions, device, configuration, results."""
     record = {
         "command": shlex.join([sys.executable, *sys.argv]),
@@ -426,8 +451,9 @@ def write_results(path: Path, device: torch.device, config: dict, started: float
     progress(f"wrote {path}")
 
 
-def start_workload(args, tp: int = 1) -> tuple[int, int, torch.device, GPTConfig | LlamaShape, nn.Module,
-                                               tuple[torch.Tensor, torch.Tensor]]:
+def start_workload(
+    args, tp: int = 1
+) -> tuple[int, int, torch.device, GPTConfig | LlamaShape, nn.Module, tuple[torch.Tensor, torch.Tensor]]:
     """Join the job and build the workload of ``add_workload_arguments``' options (the
     GPT), or of ``--model llama`` and ``--llama-shape`` where a script has them:
     (rank, world size, device, config, seeded reference model, this rank's batch). With
@@ -441,10 +467,13 @@ def start_workload(args, tp: int = 1) -> tuple[int, int, torch.device, GPTConfig
     if getattr(args, "model", "gpt") == "llama":
         cfg: GPTConfig | LlamaShape = LlamaShape(**args.llama_shape)
     else:
-        cfg = GPTConfig(vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
-                        n_embd=args.width)
+        cfg = GPTConfig(
+            vocab_size=args.vocab, block_size=args.seq, n_layer=args.layers, n_head=args.heads, n_embd=args.width
+        )
     reference, batch = make_workload(cfg, args.batch, rank // tp, world_size // tp, device)
-    progress(f"{type(reference).__name__} {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, "
-             f"{world_size} ranks on {device.type} ({dist.get_backend()}), global batch {args.batch} x "
-             f"{cfg.block_size} tokens")
+    progress(
+        f"{type(reference).__name__} {sum(p.numel() for p in reference.parameters()) / 1e6:.2f}M parameters, "
+        f"{world_size} ranks on {device.type} ({dist.get_backend()}), global batch {args.batch} x "
+        f"{cfg.block_size} tokens"
+    )
     return rank, world_size, device, cfg, reference, batch

@@ -55,8 +55,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--recompute", default="selective", help="compshard recompute option")
     parser.add_argument("--max-inflight-mb", type=float, default=1024.0, help="compshard max_inflight_mb option")
     parser.add_argument("--skip-torchtitan", action="store_true", help="only the scaling table")
-    parser.add_argument("--out", type=Path, default=Path(__file__).resolve().parent / "results" / "plan_scaling.json",
-                        help="JSON file to write")
+    parser.add_argument(
+        "--out",
+        type=Path,
+        default=Path(__file__).resolve().parent / "results" / "plan_scaling.json",
+        help="JSON file to write",
+    )
     args = parser.parse_args(argv)
     try:
         args.ranks = [int(n) for n in args.ranks.split(",") if n]
@@ -88,37 +92,69 @@ def llama_8b(layers: int) -> torch.nn.Module:
     ensure_torchvision_importable()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    config = LlamaConfig(hidden_size=4096, num_hidden_layers=layers, num_attention_heads=32, num_key_value_heads=8,
-                         intermediate_size=14336, vocab_size=128256, max_position_embeddings=8192,
-                         rope_theta=500000.0, tie_word_embeddings=False, use_cache=False,
-                         attn_implementation="sdpa")
+    config = LlamaConfig(
+        hidden_size=4096,
+        num_hidden_layers=layers,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        intermediate_size=14336,
+        vocab_size=128256,
+        max_position_embeddings=8192,
+        rope_theta=500000.0,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation="sdpa",
+    )
     with torch.device("meta"):
         return LlamaForCausalLM(config)
 
 
-def predict(model: torch.nn.Module, args: argparse.Namespace, world_size: int, strategy: str,
-            hardware: str, max_inflight_mb: float) -> compshard.PlanReport:
+def predict(
+    model: torch.nn.Module,
+    args: argparse.Namespace,
+    world_size: int,
+    strategy: str,
+    hardware: str,
+    max_inflight_mb: float,
+) -> compshard.PlanReport:
     tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     started = time.perf_counter()
-    report = compshard.plan(model, input_ids=tokens, labels=tokens, world_size=world_size, hardware=hardware,
-                            sharding={"strategy": strategy, "param_dtype": torch.bfloat16,
-                                      "reduce_dtype": torch.float32},
-                            options={"recompute": args.recompute, "max_inflight_mb": max_inflight_mb})
-    print(f"{world_size} ranks, {strategy}, {hardware}, max_inflight_mb {max_inflight_mb:g}: planned in "
-          f"{time.perf_counter() - started:.1f} s", file=sys.stderr, flush=True)
+    report = compshard.plan(
+        model,
+        input_ids=tokens,
+        labels=tokens,
+        world_size=world_size,
+        hardware=hardware,
+        sharding={"strategy": strategy, "param_dtype": torch.bfloat16, "reduce_dtype": torch.float32},
+        options={"recompute": args.recompute, "max_inflight_mb": max_inflight_mb},
+    )
+    print(
+        f"{world_size} ranks, {strategy}, {hardware}, max_inflight_mb {max_inflight_mb:g}: planned in "
+        f"{time.perf_counter() - started:.1f} s",
+        file=sys.stderr,
+        flush=True,
+    )
     return report
 
 
 def row(report: compshard.PlanReport) -> dict:
     step = report.step
     return {
-        "ranks": report.world_size, "strategy": report.sharding["strategy"], "hardware": report.hardware,
+        "ranks": report.world_size,
+        "strategy": report.sharding["strategy"],
+        "hardware": report.hardware,
         "max_inflight_mb": report.options["max_inflight_mb"],
-        "step_seconds": step.total, "compute_seconds": step.compute, "exposed_comm_seconds": step.exposed_communication,
-        "comm_seconds": step.communication, "optimizer_seconds": step.optimizer,
-        "comm_share": report.communication_share, "link_busy": step.communication / step.total,
-        "peak_bytes": report.memory.peak, "memory": asdict(report.memory),
-        "tokens_per_second_per_gpu": report.tokens_per_second_per_rank, "extrapolated": report.extrapolated,
+        "step_seconds": step.total,
+        "compute_seconds": step.compute,
+        "exposed_comm_seconds": step.exposed_communication,
+        "comm_seconds": step.communication,
+        "optimizer_seconds": step.optimizer,
+        "comm_share": report.communication_share,
+        "link_busy": step.communication / step.total,
+        "peak_bytes": report.memory.peak,
+        "memory": asdict(report.memory),
+        "tokens_per_second_per_gpu": report.tokens_per_second_per_rank,
+        "extrapolated": report.extrapolated,
     }
 
 
@@ -131,36 +167,94 @@ def main(args: argparse.Namespace) -> None:
             if strategy == "hybrid_shard" and (world_size <= 8 or world_size % 8):
                 continue
             reports[(world_size, strategy, args.hardware, args.max_inflight_mb)] = predict(
-                model, args, world_size, strategy, args.hardware, args.max_inflight_mb)
+                model, args, world_size, strategy, args.hardware, args.max_inflight_mb
+            )
     scaling = [row(r) for r in reports.values()]
-    print(tabulate([[r["ranks"], r["strategy"], f"{r['step_seconds'] * 1e3:,.0f}", f"{r['compute_seconds'] * 1e3:,.0f}",
-                     f"{r['exposed_comm_seconds'] * 1e3:,.0f}", f"{r['comm_share']:.1%}", f"{r['link_busy']:.0%}",
-                     f"{r['peak_bytes'] / GiB:.1f}", f"{r['tokens_per_second_per_gpu']:,.0f}"] for r in scaling],
-                   headers=["ranks", "sharding", "step ms", "compute ms", "exposed comm ms", "comm share",
-                            "link busy", "peak GiB/GPU", "tokens/s/GPU"]))
+    print(
+        tabulate(
+            [
+                [
+                    r["ranks"],
+                    r["strategy"],
+                    f"{r['step_seconds'] * 1e3:,.0f}",
+                    f"{r['compute_seconds'] * 1e3:,.0f}",
+                    f"{r['exposed_comm_seconds'] * 1e3:,.0f}",
+                    f"{r['comm_share']:.1%}",
+                    f"{r['link_busy']:.0%}",
+                    f"{r['peak_bytes'] / GiB:.1f}",
+                    f"{r['tokens_per_second_per_gpu']:,.0f}",
+                ]
+                for r in scaling
+            ],
+            headers=[
+                "ranks",
+                "sharding",
+                "step ms",
+                "compute ms",
+                "exposed comm ms",
+                "comm share",
+                "link busy",
+                "peak GiB/GPU",
+                "tokens/s/GPU",
+            ],
+        )
+    )
     published = []
     if not args.skip_torchtitan:
         default_inflight = compshard.CompileOptions().max_inflight_mb
-        setups = [(n, hardware, args.max_inflight_mb)
-                  for n in TORCHTITAN for hardware in ("h100-sxm", "h100-hbm2e-500w")]
+        setups = [
+            (n, hardware, args.max_inflight_mb) for n in TORCHTITAN for hardware in ("h100-sxm", "h100-hbm2e-500w")
+        ]
         for world_size, hardware, inflight in [*setups, (128, "h100-sxm", default_inflight)]:
             key = (world_size, "full_shard", hardware, inflight)
             if key not in reports:
                 reports[key] = predict(model, args, world_size, "full_shard", hardware, inflight)
             tokens_per_second, memory_gib = TORCHTITAN[world_size]
-            published.append({**row(reports[key]), "published_tokens_per_second_per_gpu": tokens_per_second,
-                              "published_memory_gib": memory_gib})
-        print(tabulate([[p["ranks"], p["hardware"], f"{p['max_inflight_mb']:g}",
-                         f"{p['published_tokens_per_second_per_gpu']:,}",
-                         f"{p['tokens_per_second_per_gpu']:,.0f}",
-                         f"{p['tokens_per_second_per_gpu'] / p['published_tokens_per_second_per_gpu'] - 1:+.0%}",
-                         f"{p['published_memory_gib']}", f"{p['peak_bytes'] / GiB:.1f}",
-                         f"{p['peak_bytes'] / GiB / p['published_memory_gib'] - 1:+.0%}"] for p in published],
-                       headers=["GPUs", "preset", "max_inflight_mb", "torchtitan tokens/s/GPU", "predicted", "error",
-                                "torchtitan GiB", "predicted GiB", "error"]))
-    record = {"command": shlex.join([sys.executable, *sys.argv]), "torch": torch.__version__,
-              "config": {k: str(v) for k, v in vars(args).items()}, "wall_seconds": time.perf_counter() - started,
-              "load_average_after": os.getloadavg(), "scaling": scaling, "torchtitan": published}
+            published.append(
+                {
+                    **row(reports[key]),
+                    "published_tokens_per_second_per_gpu": tokens_per_second,
+                    "published_memory_gib": memory_gib,
+                }
+            )
+        print(
+            tabulate(
+                [
+                    [
+                        p["ranks"],
+                        p["hardware"],
+                        f"{p['max_inflight_mb']:g}",
+                        f"{p['published_tokens_per_second_per_gpu']:,}",
+                        f"{p['tokens_per_second_per_gpu']:,.0f}",
+                        f"{p['tokens_per_second_per_gpu'] / p['published_tokens_per_second_per_gpu'] - 1:+.0%}",
+                        f"{p['published_memory_gib']}",
+                        f"{p['peak_bytes'] / GiB:.1f}",
+                        f"{p['peak_bytes'] / GiB / p['published_memory_gib'] - 1:+.0%}",
+                    ]
+                    for p in published
+                ],
+                headers=[
+                    "GPUs",
+                    "preset",
+                    "max_inflight_mb",
+                    "torchtitan tokens/s/GPU",
+                    "predicted",
+                    "error",
+                    "torchtitan GiB",
+                    "predicted GiB",
+                    "error",
+                ],
+            )
+        )
+    record = {
+        "command": shlex.join([sys.executable, *sys.argv]),
+        "torch": torch.__version__,
+        "config": {k: str(v) for k, v in vars(args).items()},
+        "wall_seconds": time.perf_counter() - started,
+        "load_average_after": os.getloadavg(),
+        "scaling": scaling,
+        "torchtitan": published,
+    }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {args.out}", file=sys.stderr)

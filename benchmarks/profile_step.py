@@ -18,7 +18,14 @@ import functools
 import statistics
 import time
 
-from cli import SYSTEM_NAMES, add_workload_arguments, make_parser, parse_options, parse_systems, parse_workload_arguments
+from cli import (
+    SYSTEM_NAMES,
+    add_workload_arguments,
+    make_parser,
+    parse_options,
+    parse_systems,
+    parse_workload_arguments,
+)
 
 
 def parse_args() -> argparse.Namespace:
@@ -42,14 +49,19 @@ ARGS = parse_args()
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from harness import COMPSHARD_SYSTEMS, SYSTEMS, compute_only, progress, start_workload  # noqa: E402
 from torch.profiler import ProfilerActivity, profile  # noqa: E402
 from torch.testing._internal.distributed.fake_pg import FakeStore  # noqa: E402
 
-from harness import COMPSHARD_SYSTEMS, SYSTEMS, compute_only, progress, start_workload  # noqa: E402
 
-
-def profile_system(name: str, wrap, reference: torch.nn.Module, batch: tuple[torch.Tensor, ...],
-                   device: torch.device, args: argparse.Namespace) -> None:
+def profile_system(
+    name: str,
+    wrap,
+    reference: torch.nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    device: torch.device,
+    args: argparse.Namespace,
+) -> None:
     """Time one system's phases over ``--steps`` steps (after ``--warmup``), then profile one."""
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     torch._dynamo.reset()
@@ -79,8 +91,11 @@ def profile_system(name: str, wrap, reference: torch.nn.Module, batch: tuple[tor
     for _ in range(args.steps):
         step(timed=True)
     medians = {phase: statistics.median(times) * 1e3 for phase, times in phases.items()}
-    progress(f"{name}: " + ", ".join(f"{phase} {ms:.1f} ms" for phase, ms in medians.items())
-             + f", total {sum(medians.values()):.1f} ms")
+    progress(
+        f"{name}: "
+        + ", ".join(f"{phase} {ms:.1f} ms" for phase, ms in medians.items())
+        + f", total {sum(medians.values()):.1f} ms"
+    )
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     with profile(activities=activities) as prof:
         step(timed=False)

@@ -13,8 +13,10 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject.toml re
 
 import torch
 
-from compshard import ops  # noqa: F401  (registers the compshard:: custom ops)
-from compshard import checkpoint
+from compshard import (
+    checkpoint,
+    ops,  # noqa: F401  (registers the compshard:: custom ops)
+)
 from compshard.backend import compshard_backend
 from compshard.checkpoint import full_state_dict
 from compshard.clip import clip_grad_norm_
@@ -31,6 +33,24 @@ from compshard.sharding import ShardingConfig, shard, sharding_config
 if "compshard" not in torch._dynamo.list_backends(exclude_tags=()):
     torch._dynamo.register_backend(compshard_backend, name="compshard")
 
-__all__ = ["__version__", "shard", "full_state_dict", "inspect", "Report", "CompileOptions", "ScheduleError",
-           "compshard_backend", "pipeline", "Pipeline", "PipelineReport", "checkpoint", "clip_grad_norm_",
-           "no_sync", "set_requires_gradient_sync", "sharding_config", "ShardingConfig", "plan", "PlanReport"]
+__all__ = [
+    "__version__",
+    "shard",
+    "full_state_dict",
+    "inspect",
+    "Report",
+    "CompileOptions",
+    "ScheduleError",
+    "compshard_backend",
+    "pipeline",
+    "Pipeline",
+    "PipelineReport",
+    "checkpoint",
+    "clip_grad_norm_",
+    "no_sync",
+    "set_requires_gradient_sync",
+    "sharding_config",
+    "ShardingConfig",
+    "plan",
+    "PlanReport",
+]

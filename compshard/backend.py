@@ -111,6 +111,7 @@ def _run_graph(run: Callable, moves_gradients: bool) -> Callable:
     backward graph (``moves_gradients``) queues :func:`compshard.sharding.move_local_gradients`
     for the end of its backward pass: its gradients for the parameters' local tensors,
     accumulated there by autograd, belong in the parameters' ``grad``."""
+
     def run_graph(args: list) -> Any:
         try:
             outputs = run(args)
@@ -150,8 +151,10 @@ def schedules_nothing(gm: fx.GraphModule, options: CompileOptions) -> bool:
     if asks_for_graph_work(options):
         return False
     ops = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)  # Dynamo records a packet, AOTAutograd an overload
-    return not any(node.op == "call_function" and isinstance(node.target, ops)
-                   and str(node.target).startswith("compshard.") for node in gm.graph.nodes)
+    return not any(
+        node.op == "call_function" and isinstance(node.target, ops) and str(node.target).startswith("compshard.")
+        for node in gm.graph.nodes
+    )
 
 
 class ScheduledOutput(OutputCode):
@@ -164,8 +167,9 @@ class ScheduledOutput(OutputCode):
 
     _KEPT_META = frozenset({"val", "tensor_meta", "compshard"})  # what executors, inspect and the check read
 
-    def __init__(self, kind: GraphKind, gm: fx.GraphModule, plan: CompilePlan, options: CompileOptions,
-                 auto: bool) -> None:
+    def __init__(
+        self, kind: GraphKind, gm: fx.GraphModule, plan: CompilePlan, options: CompileOptions, auto: bool
+    ) -> None:
         self.kind, self.gm, self.plan, self.options, self.auto = kind, gm, plan, options, auto
         self.payload: bytes | None = None
         self.digest = ""
@@ -190,7 +194,8 @@ class ScheduledOutput(OutputCode):
         assert self.gm is not None
         with _views_as_plain_tensors(self.gm.graph):
             self.payload = GraphPickler.dumps(
-                self.gm, Options(ops_filter=None, node_metadata_key_filter=self._KEPT_META.__contains__))
+                self.gm, Options(ops_filter=None, node_metadata_key_filter=self._KEPT_META.__contains__)
+            )
         self.digest = hashlib.sha256(self.payload).hexdigest()
         self.gm, self._run = None, None  # type: ignore[assignment]
 
@@ -203,8 +208,9 @@ class ScheduledOutput(OutputCode):
         attempt = compile_cache.current_attempt()
         gm = self._load(example_inputs)
         if attempt is None or not attempt.agree(gm is not None, self.kind):
-            raise BypassAOTAutogradCache(f"compshard: every rank compiles this {self.kind} graph (a rank could not "
-                                         "load its cache entry)")
+            raise BypassAOTAutogradCache(
+                f"compshard: every rank compiles this {self.kind} graph (a rank could not load its cache entry)"
+            )
         assert gm is not None
         self.gm = gm
         self.plan = replace(self.plan, number=attempt.number)
@@ -259,8 +265,9 @@ def _views_as_plain_tensors(graph: fx.Graph) -> Iterator[None]:
             node.meta["val"] = value
 
 
-def _cache_attempt(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: CompileOptions,
-                   number: int) -> compile_cache.Attempt | None:
+def _cache_attempt(
+    gm: fx.GraphModule, example_inputs: Sequence[Any], opts: CompileOptions, number: int
+) -> compile_cache.Attempt | None:
     """This Dynamo graph's try at the cache (None: torch's caches are off). Its key goes on
     ``gm``, where torch's AOTAutograd key reads it."""
     if not compile_cache.enabled():
@@ -268,8 +275,11 @@ def _cache_attempt(gm: fx.GraphModule, example_inputs: Sequence[Any], opts: Comp
     parts = compile_cache.key_parts(gm, example_inputs, opts, lambda group: astuple(cost_model.costs_for(group)))
     key = compile_cache.cache_key(parts)
     setattr(gm, compile_cache.KEY_ATTRIBUTE, key)
-    reads = [unshard_args(node) for node in gm.graph.nodes
-             if is_op(node, compshard_ops.unshard, compshard_ops.unshard.default)]  # Dynamo records the packet
+    reads = [
+        unshard_args(node)
+        for node in gm.graph.nodes
+        if is_op(node, compshard_ops.unshard, compshard_ops.unshard.default)
+    ]  # Dynamo records the packet
     group_name = next((args.group_name for args in reads if args.group_name), "") if dist.is_initialized() else ""
     return compile_cache.Attempt.start(key, group_name, number)
 
@@ -281,8 +291,10 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     opts = requested.for_devices(t.device for t in example_inputs if isinstance(t, torch.Tensor))
     sharding.note_compiled_before_shard(example_inputs)
     if schedules_nothing(gm, opts):
-        logs.log.info("compshard: a graph that reads no sharded parameter, with nothing to schedule, runs as "
-                      "captured (eager autograd)")
+        logs.log.info(
+            "compshard: a graph that reads no sharded parameter, with nothing to schedule, runs as "
+            "captured (eager autograd)"
+        )
         return gm.forward
     number = next(_compile_numbers)
     attempt = _cache_attempt(gm, example_inputs, opts, number)
@@ -334,8 +346,10 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
     # Bundled: the entry holds the ScheduledOutputs themselves, not FX graph cache keys. The
     # backward compiled now, not at the first backward: torch saves the entry once both exist,
     # and only while bundling is on.
-    with compile_cache.attempting(attempt), torch._functorch.config.patch(
-            bundled_autograd_cache=True, force_non_lazy_backward_lowering=True):
+    with (
+        compile_cache.attempting(attempt),
+        torch._functorch.config.patch(bundled_autograd_cache=True, force_non_lazy_backward_lowering=True),
+    ):
         compiled = compile_with_aot(gm, example_inputs)
     if aot_counters["autograd_cache_saved"] > saved:
         attempt.saved()

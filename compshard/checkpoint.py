@@ -55,8 +55,16 @@ from torch.utils._pytree import tree_map, tree_map_only
 
 from compshard.sharding import plain_class
 
-__all__ = ["MODEL_KEY", "OPTIMIZER_KEY", "save", "load", "get_full_state_dict", "set_full_state_dict",
-           "full_state_dict", "parameters_at_rest"]
+__all__ = [
+    "MODEL_KEY",
+    "OPTIMIZER_KEY",
+    "save",
+    "load",
+    "get_full_state_dict",
+    "set_full_state_dict",
+    "full_state_dict",
+    "parameters_at_rest",
+]
 
 MODEL_KEY = "model"
 OPTIMIZER_KEY = "optimizer"
@@ -121,8 +129,9 @@ def save(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Opti
         try:
             _commit(staging, target, f"{target}.replaced-{token[0]}")
         except OSError as error:
-            outcome = [f"compshard.checkpoint.save: could not rename the written checkpoint {staging} to {target}: "
-                       f"{error}"]
+            outcome = [
+                f"compshard.checkpoint.save: could not rename the written checkpoint {staging} to {target}: {error}"
+            ]
     if _distributed():  # every rank returns once the checkpoint is in place, or raises
         dist.broadcast_object_list(outcome, src=0)
     if outcome[0] is not None:
@@ -149,19 +158,25 @@ def _check_complete(path: str | os.PathLike) -> None:
         if replaced:
             raise FileNotFoundError(
                 f"compshard.checkpoint.load: no checkpoint at {where}: a save that replaced it stopped between its "
-                f"two renames; the previous checkpoint, whole, is {replaced[0]}: rename it to {where}")
+                f"two renames; the previous checkpoint, whole, is {replaced[0]}: rename it to {where}"
+            )
         unfinished = glob.glob(f"{glob.escape(where)}.saving-*")
-        raise FileNotFoundError(f"compshard.checkpoint.load: no checkpoint at {where}" + (
-            f" (only the unfinished save(s) {unfinished}, which hold no complete checkpoint)" if unfinished else ""))
+        raise FileNotFoundError(
+            f"compshard.checkpoint.load: no checkpoint at {where}"
+            + (f" (only the unfinished save(s) {unfinished}, which hold no complete checkpoint)" if unfinished else "")
+        )
     if not os.path.exists(os.path.join(where, ".metadata")):
         raise ValueError(
             f"compshard.checkpoint.load: {where} is not a complete checkpoint: its .metadata, written last when every "
-            "rank has written its files, is missing (the save did not finish, or this is not a DCP checkpoint)")
+            "rank has written its files, is missing (the save did not finish, or this is not a DCP checkpoint)"
+        )
     try:
         metadata = FileSystemReader(where).read_metadata()
     except Exception as error:  # noqa: BLE001 - re-raised with what it means here
-        raise ValueError(f"compshard.checkpoint.load: the .metadata of checkpoint {where} cannot be read: "
-                         f"{type(error).__name__}: {error}") from error
+        raise ValueError(
+            f"compshard.checkpoint.load: the .metadata of checkpoint {where} cannot be read: "
+            f"{type(error).__name__}: {error}"
+        ) from error
     needed: dict[str, int] = {}
     for item in (metadata.storage_data or {}).values():
         needed[item.relative_path] = max(needed.get(item.relative_path, 0), item.offset + item.length)
@@ -173,8 +188,10 @@ def _check_complete(path: str | os.PathLike) -> None:
         elif os.path.getsize(file) < size:
             problems.append(f"{name} has {os.path.getsize(file)} of its {size} bytes")
     if problems:
-        raise ValueError(f"compshard.checkpoint.load: checkpoint {where} is incomplete: {'; '.join(problems)} (a "
-                         "rank's write was interrupted, or files were removed)")
+        raise ValueError(
+            f"compshard.checkpoint.load: checkpoint {where} is incomplete: {'; '.join(problems)} (a "
+            "rank's write was interrupted, or files were removed)"
+        )
 
 
 def load(path: str | os.PathLike, module: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> None:
@@ -298,8 +315,12 @@ def _type_restorer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
     as DTensors, and their state must match) and tuples in ``param_groups`` (AdamW's
     ``betas``) as lists.
     """
-    replicated = {(param, key): value for param, entries in optimizer.state.items()
-                  for key, value in entries.items() if isinstance(value, DTensor) and value.dim() == 0}
+    replicated = {
+        (param, key): value
+        for param, entries in optimizer.state.items()
+        for key, value in entries.items()
+        if isinstance(value, DTensor) and value.dim() == 0
+    }
     tuples = [[key for key, value in group.items() if isinstance(value, tuple)] for group in optimizer.param_groups]
 
     def restore() -> None:
@@ -307,7 +328,8 @@ def _type_restorer(optimizer: torch.optim.Optimizer) -> Callable[[], None]:
             value = optimizer.state[param][key]
             if not isinstance(value, DTensor):
                 optimizer.state[param][key] = DTensor.from_local(
-                    value.to(before.device), before.device_mesh, before.placements, run_check=False)
+                    value.to(before.device), before.device_mesh, before.placements, run_check=False
+                )
         for group, keys in zip(optimizer.param_groups, tuples):
             for key in keys:
                 group[key] = tuple(group[key])

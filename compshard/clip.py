@@ -83,8 +83,9 @@ def _total_norm(grads: list[torch.Tensor], p: float) -> torch.Tensor:
     for (mesh, dims), tensors in by_layout.items():
         part = _combine(tensors, p, device)
         for dim in dims:
-            dist.all_reduce(part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM,
-                            group=mesh.get_group(dim))
+            dist.all_reduce(
+                part, op=dist.ReduceOp.MAX if math.isinf(p) else dist.ReduceOp.SUM, group=mesh.get_group(dim)
+            )
         total = torch.maximum(total, part) if math.isinf(p) else total + part
     return total if math.isinf(p) else total ** (1.0 / p)
 
@@ -119,7 +120,9 @@ def _check_arguments(module: Any, max_norm: Any, norm_type: Any, error_if_nonfin
         raise ValueError(f"compshard.clip_grad_norm_: max_norm must be a number >= 0, got {max_norm!r}")
     if isinstance(norm_type, bool) or not isinstance(norm_type, number) or not norm_type > 0:
         raise ValueError(
-            f"compshard.clip_grad_norm_: norm_type must be a number > 0 or float('inf'), got {norm_type!r}")
+            f"compshard.clip_grad_norm_: norm_type must be a number > 0 or float('inf'), got {norm_type!r}"
+        )
     if not isinstance(error_if_nonfinite, bool):
         raise TypeError(
-            f"compshard.clip_grad_norm_: error_if_nonfinite must be True or False, got {error_if_nonfinite!r}")
+            f"compshard.clip_grad_norm_: error_if_nonfinite must be True or False, got {error_if_nonfinite!r}"
+        )

@@ -19,9 +19,25 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
-__all__ = ["GraphKind", "ScheduledKind", "Bucket", "BucketPlan", "MemoryBudget", "Coalescing", "Prefetch",
-           "RecomputePlan", "GraphPlan", "CompilePlan", "NodeMeta", "node_meta", "set_node_meta",
-           "ScheduleError", "COLLECTIVE_KINDS", "META_KEY", "MiB"]
+__all__ = [
+    "GraphKind",
+    "ScheduledKind",
+    "Bucket",
+    "BucketPlan",
+    "MemoryBudget",
+    "Coalescing",
+    "Prefetch",
+    "RecomputePlan",
+    "GraphPlan",
+    "CompilePlan",
+    "NodeMeta",
+    "node_meta",
+    "set_node_meta",
+    "ScheduleError",
+    "COLLECTIVE_KINDS",
+    "META_KEY",
+    "MiB",
+]
 
 MiB = 2**20  # the unit of the ``*_mb`` options and of every size compshard reports
 
@@ -72,13 +88,17 @@ class MemoryBudget:
 
     def describe(self) -> str:
         if not self.kept:
-            return ("memory budget auto (eager FSDP2's peak): no further bucket kept gathered (in the cost model, "
-                    "no re-gather fits the room recompute frees at a saving)")
+            return (
+                "memory budget auto (eager FSDP2's peak): no further bucket kept gathered (in the cost model, "
+                "no re-gather fits the room recompute frees at a saving)"
+            )
         raised = ", ".join(f"{block} {level}" for block, level in self.levels.items()) or "none"
-        return (f"memory budget auto (eager FSDP2's peak): {len(self.kept)} more bucket(s) kept gathered, "
-                f"{self.kept_bytes / MiB:.3f} MiB, in room freed by recompute ({raised}: {self.freed_bytes / MiB:.3f} "
-                f"MiB of the {self.eager_saved_bytes / MiB:.3f} MiB eager autograd saves); "
-                f"estimated {self.seconds_saved * 1e3:.2f} ms a step saved")
+        return (
+            f"memory budget auto (eager FSDP2's peak): {len(self.kept)} more bucket(s) kept gathered, "
+            f"{self.kept_bytes / MiB:.3f} MiB, in room freed by recompute ({raised}: {self.freed_bytes / MiB:.3f} "
+            f"MiB of the {self.eager_saved_bytes / MiB:.3f} MiB eager autograd saves); "
+            f"estimated {self.seconds_saved * 1e3:.2f} ms a step saved"
+        )
 
 
 @dataclass(frozen=True)
@@ -136,12 +156,14 @@ class RecomputePlan:
             tagged = f"blocks: {self.blocks_summary()}" if self.levels else "no repeated blocks: nothing tagged"
             parts[0] += f" ({tagged})"
         if self.saved:
-            parts.append("saved for backward: "
-                         + ", ".join(f"{kind} {n / MiB:.3f} MiB" for kind, n in self.saved.items()))
+            parts.append(
+                "saved for backward: " + ", ".join(f"{kind} {n / MiB:.3f} MiB" for kind, n in self.saved.items())
+            )
         if self.budget_bytes is not None:
             verdict = "fits" if self.fits else "does NOT fit (no further recompute frees bytes)"
-            parts.append(f"budget {self.budget_bytes / MiB:.3f} MiB, planned {self.planned_bytes / MiB:.3f} MiB: "
-                         f"{verdict}")
+            parts.append(
+                f"budget {self.budget_bytes / MiB:.3f} MiB, planned {self.planned_bytes / MiB:.3f} MiB: {verdict}"
+            )
         return "; ".join(parts)
 
 
@@ -163,8 +185,11 @@ class Coalescing:
 
     def as_dict(self) -> dict[str, list[list[str]]]:
         """The planned kinds as JSON-ready lists (the logs' and the decisions' form)."""
-        return {kind: [list(names) for names in groups] for kind in ("all_gather", "reduce_scatter")
-                if (groups := getattr(self, kind)) is not None}
+        return {
+            kind: [list(names) for names in groups]
+            for kind in ("all_gather", "reduce_scatter")
+            if (groups := getattr(self, kind)) is not None
+        }
 
 
 @dataclass(frozen=True)

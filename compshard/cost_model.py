@@ -38,8 +38,20 @@ from compshard.compile_cache import remembered_costs
 from compshard.ops import resolve_group
 from compshard.sizes import nbytes, size_hint
 
-__all__ = ["Costs", "Timer", "assumed", "calibrate", "costs_for", "collective_seconds", "measure_compute",
-           "measure_matmul", "measure_costs", "median_seconds", "node_seconds", "signature"]
+__all__ = [
+    "Costs",
+    "Timer",
+    "assumed",
+    "calibrate",
+    "costs_for",
+    "collective_seconds",
+    "measure_compute",
+    "measure_matmul",
+    "measure_costs",
+    "median_seconds",
+    "node_seconds",
+    "signature",
+]
 
 
 @dataclass(frozen=True)
@@ -198,16 +210,28 @@ def node_seconds(node: fx.Node, costs: Costs) -> float:
     return seconds
 
 
-def _cpu_flash_attention_flops(query_shape, key_shape, value_shape, dropout_p=0.0, is_causal=False, *args,
-                               out_shape=None, **kwargs) -> int:
+def _cpu_flash_attention_flops(
+    query_shape, key_shape, value_shape, dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs
+) -> int:
     """FLOPs of the CPU flash attention kernel (torch counts only the CUDA ones). A causal
     mask skips the blocks above the diagonal: about half the scores."""
     flops = sdpa_flop_count(query_shape, key_shape, value_shape)
     return flops // 2 if is_causal else flops
 
 
-def _cpu_flash_attention_backward_flops(grad_out_shape, query_shape, key_shape, value_shape, out_shape_, lse_shape,
-                                        dropout_p=0.0, is_causal=False, *args, out_shape=None, **kwargs) -> int:
+def _cpu_flash_attention_backward_flops(
+    grad_out_shape,
+    query_shape,
+    key_shape,
+    value_shape,
+    out_shape_,
+    lse_shape,
+    dropout_p=0.0,
+    is_causal=False,
+    *args,
+    out_shape=None,
+    **kwargs,
+) -> int:
     flops = sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape)
     return flops // 2 if is_causal else flops
 

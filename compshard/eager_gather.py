@@ -110,8 +110,11 @@ class _Pending:
     @property
     def skipped(self) -> bool:
         """Its gathered tensor is gone unused, while its call takes part in the backward."""
-        return not self.ready and self.node() is None and any(
-            other.ready or other.node() is not None for other in self.call)
+        return (
+            not self.ready
+            and self.node() is None
+            and any(other.ready or other.node() is not None for other in self.call)
+        )
 
 
 @dataclass
@@ -125,8 +128,15 @@ class EagerReductions:
     received_now: list[_Pending] = field(default_factory=list)  # gradients of this backward, for the check
     in_backward: bool = False  # a backward has delivered a gradient; ``finish`` is queued at its end
 
-    def push(self, param: nn.Parameter, reduce_args: tuple, gathered_dtype: torch.dtype, device: torch.device,
-             call: list[_Pending], sink: torch.Tensor | None = None) -> _Pending:
+    def push(
+        self,
+        param: nn.Parameter,
+        reduce_args: tuple,
+        gathered_dtype: torch.dtype,
+        device: torch.device,
+        call: list[_Pending],
+        sink: torch.Tensor | None = None,
+    ) -> _Pending:
         """A new gather on top of the stack, sharing the parameter's open reduction."""
         item = _Pending(_Reduction(param, reduce_args, gathered_dtype, device, sink), call)
         call.append(item)
@@ -149,13 +159,16 @@ class EagerReductions:
         """Autograd's gradient of ``item``'s gathered tensor: added to its reduction; then the walk."""
         reduction = item.reduction
         if grad.requires_grad:
-            raise RuntimeError(f"compshard: backward(create_graph=True) reached the gather of parameter "
-                               f"'{reduction.fqn}': its reduced gradient cannot be differentiated again; "
-                               "differentiate with respect to inputs or activations only (torch.autograd.grad), "
-                               "or use create_graph=False")
+            raise RuntimeError(
+                f"compshard: backward(create_graph=True) reached the gather of parameter "
+                f"'{reduction.fqn}': its reduced gradient cannot be differentiated again; "
+                "differentiate with respect to inputs or activations only (torch.autograd.grad), "
+                "or use create_graph=False"
+            )
         if not item.stacked:  # passed already (a retained graph's second backward): on the stack again
-            item.reduction = _Reduction(reduction.param, reduction.reduce_args, reduction.gathered_dtype,
-                                        reduction.device)
+            item.reduction = _Reduction(
+                reduction.param, reduction.reduce_args, reduction.gathered_dtype, reduction.device
+            )
             self._stack(item)
             reduction = item.reduction
         reduction.total = grad if reduction.total is None else reduction.total + grad
@@ -182,20 +195,26 @@ class EagerReductions:
                 self._pass(item)
                 continue
             old = item.reduction
-            item.reduction = fresh.setdefault(old.fqn, _Reduction(old.param, old.reduce_args, old.gathered_dtype,
-                                                                  old.device))
+            item.reduction = fresh.setdefault(
+                old.fqn, _Reduction(old.param, old.reduce_args, old.gathered_dtype, old.device)
+            )
             item.reduction.waiting += 1
             self._leave(old)
             kept.append(item)
         self.stack = kept[::-1]
         self.open = fresh
         received, self.received_now = self.received_now, []
-        lost = {item.reduction.fqn: None for item in received
-                if not item.reduction.done or item.reduction.param.grad is None}
+        lost = {
+            item.reduction.fqn: None
+            for item in received
+            if not item.reduction.done or item.reduction.param.grad is None
+        }
         if lost:
-            raise RuntimeError(f"compshard: the gradients of parameters {', '.join(map(repr, lost))} reached their "
-                               "uncompiled gathers in this backward but were not reduced into .grad (a bug in "
-                               "compshard: please report it with the model)")
+            raise RuntimeError(
+                f"compshard: the gradients of parameters {', '.join(map(repr, lost))} reached their "
+                "uncompiled gathers in this backward but were not reduced into .grad (a bug in "
+                "compshard: please report it with the model)"
+            )
 
     def _pass(self, item: _Pending) -> None:
         """The walk passes ``item``: its gradient is in, or it is skipped (zeros) or gone."""
@@ -241,8 +260,9 @@ class _DeferredGather(torch.autograd.Function):
     """``unshard`` whose backward hands the full gradient to :class:`EagerReductions`."""
 
     @staticmethod
-    def forward(ctx: Any, shard: torch.Tensor, reductions: EagerReductions, item: _Pending,
-                args: UnshardArgs) -> torch.Tensor:
+    def forward(
+        ctx: Any, shard: torch.Tensor, reductions: EagerReductions, item: _Pending, args: UnshardArgs
+    ) -> torch.Tensor:
         ctx.reductions, ctx.item = reductions, item
         item.node = weakref.ref(ctx)
         return torch.ops.compshard.unshard(*args._replace(shard=shard))
@@ -253,8 +273,9 @@ class _DeferredGather(torch.autograd.Function):
         return None, None, None, None
 
 
-def gather(param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reductions: EagerReductions,
-           communicates: bool) -> torch.Tensor:
+def gather(
+    param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reductions: EagerReductions, communicates: bool
+) -> torch.Tensor:
     """Uncompiled ``compshard::unshard`` of ``shard`` (``param``'s local rows).
 
     ``unshard_args``: the op's arguments after the shard. When the gradient is reduced
@@ -274,8 +295,22 @@ def gather(param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reduct
     if args.grad_sync == "fold":  # the gradient accumulated under no_sync joins this one's reduction
         sink = args.grad_sink
         args = args._replace(grad_sync="reduce", grad_sink=None)
-    item = reductions.push(param, (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
-                                   shard.dtype, args.replicate_group), gathered_dtype, shard.device, call, sink)
+    item = reductions.push(
+        param,
+        (
+            args.full_shape,
+            args.world_size,
+            args.group_name,
+            args.param,
+            args.reduce_dtype,
+            shard.dtype,
+            args.replicate_group,
+        ),
+        gathered_dtype,
+        shard.device,
+        call,
+        sink,
+    )
     return _DeferredGather.apply(shard, reductions, item, args)
 
 
@@ -303,11 +338,30 @@ def _exit_call(unit: nn.Module, args: Any, output: Any) -> None:
 # torch.nn modules whose forward reads each parameter exactly once, whatever the data:
 # a gather at that read is the gather at call entry, so they need no call scope (and
 # compile faster without its hooks: fewer traced calls and guards per module).
-_READS_EACH_PARAMETER_ONCE = frozenset(cls.forward for cls in (
-    nn.Linear, nn.Bilinear, nn.Embedding, nn.LayerNorm, nn.GroupNorm, nn.RMSNorm, nn.PReLU,
-    nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d,
-    nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, nn.InstanceNorm1d, nn.InstanceNorm2d, nn.InstanceNorm3d,
-))
+_READS_EACH_PARAMETER_ONCE = frozenset(
+    cls.forward
+    for cls in (
+        nn.Linear,
+        nn.Bilinear,
+        nn.Embedding,
+        nn.LayerNorm,
+        nn.GroupNorm,
+        nn.RMSNorm,
+        nn.PReLU,
+        nn.Conv1d,
+        nn.Conv2d,
+        nn.Conv3d,
+        nn.ConvTranspose1d,
+        nn.ConvTranspose2d,
+        nn.ConvTranspose3d,
+        nn.BatchNorm1d,
+        nn.BatchNorm2d,
+        nn.BatchNorm3d,
+        nn.InstanceNorm1d,
+        nn.InstanceNorm2d,
+        nn.InstanceNorm3d,
+    )
+)
 
 
 def needs_call_scope(module: nn.Module) -> bool:
@@ -316,8 +370,9 @@ def needs_call_scope(module: nn.Module) -> bool:
     return type(module).forward not in _READS_EACH_PARAMETER_ONCE
 
 
-def install_call_scope(unit: nn.Module, members: list[tuple[nn.Module, str]],
-                       unshard: Callable[[nn.Module, str], torch.Tensor]) -> None:
+def install_call_scope(
+    unit: nn.Module, members: list[tuple[nn.Module, str]], unshard: Callable[[nn.Module, str], torch.Tensor]
+) -> None:
     """``unit`` gathers ``members`` (``(module, name)`` pairs, one per distinct parameter, in
     registration order) on entry to each call, with ``unshard(module, name)``; reads of
     them inside the call (:func:`read`) return those tensors, whatever the data decide to

@@ -49,8 +49,15 @@ from compshard.ops import (
 )
 from compshard.options import CompileOptions
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "GradSync", "consecutive_buckets", "grad_sync_state", "no_sync",
-           "reduce_accumulated_gradients", "set_requires_gradient_sync"]
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "GradSync",
+    "consecutive_buckets",
+    "grad_sync_state",
+    "no_sync",
+    "reduce_accumulated_gradients",
+    "set_requires_gradient_sync",
+]
 
 DEFAULT_BUCKET_BYTES = int(CompileOptions().bucket_mb * 2**20)  # of full gradients per reduction
 
@@ -99,8 +106,11 @@ class GradSync:
         if holder is None or not holder.requires_grad:
             return None
         spec = self.specs[name]
-        grad = holder.grad if holder.grad is not None else torch.zeros(spec.full_shape, dtype=holder.dtype,
-                                                                       device=holder.device)
+        grad = (
+            holder.grad
+            if holder.grad is not None
+            else torch.zeros(spec.full_shape, dtype=holder.dtype, device=holder.device)
+        )
         holder.grad = None
         if self.step_gathered is not None:
             del self.step_gathered[name]
@@ -109,8 +119,9 @@ class GradSync:
             holder.untyped_storage().resize_(0)
         return grad.to(spec.reduce_dtype) if spec.reduce_dtype is not None else grad
 
-    def reduce_accumulated(self, params: Mapping[str, nn.Parameter], *, divide_by: int = 1,
-                           bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+    def reduce_accumulated(
+        self, params: Mapping[str, nn.Parameter], *, divide_by: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    ) -> None:
         """Reduce every accumulated gradient (:meth:`take_accumulated`) once, divide this
         rank's rows by ``divide_by`` and add them to the parameter's ``.grad`` (``params``:
         name -> parameter); what held them is left empty.
@@ -125,6 +136,7 @@ class GradSync:
 
         A parameter that accumulated nothing contributes zeros, so that every rank issues
         the same collectives whatever ran: it then gets a zero gradient, not ``None``."""
+
         def accumulated() -> Iterator[_Accumulated]:  # lazily: each gradient taken as its bucket fills
             for name, spec in self.specs.items():
                 grad = self.take_accumulated(name)
@@ -176,8 +188,14 @@ class _Accumulated(NamedTuple):
     @property
     def key(self) -> tuple:
         """What gradients reduced in one collective must share."""
-        return (self.spec.world_size, self.spec.group_name, self.spec.replicate_group, self.grad.dtype,
-                self.grad.device, self.param.dtype)
+        return (
+            self.spec.world_size,
+            self.spec.group_name,
+            self.spec.replicate_group,
+            self.grad.dtype,
+            self.grad.device,
+            self.param.dtype,
+        )
 
     @property
     def nbytes(self) -> int:
@@ -210,25 +228,34 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
     first = bucket[0]
     spec, world_size, shard_dtype = first.spec, first.spec.world_size, first.param.dtype
     if not spec.full_shape:
-        reduced = torch.ops.compshard.reduce_grad(first.grad, [], world_size, spec.group_name, spec.fqn, None,
-                                                  shard_dtype, spec.replicate_group)
+        reduced = torch.ops.compshard.reduce_grad(
+            first.grad, [], world_size, spec.group_name, spec.fqn, None, shard_dtype, spec.replicate_group
+        )
         return [reduced / divide_by if divide_by != 1 else reduced]
     rank = group_rank(spec.group_name)
     layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]
     shard_numels = [layout.padded_shard_numel for layout in layouts]
     divisor = averaging_ranks(world_size, spec.replicate_group) * divide_by
-    packed = torch.ops.compshard.reduce_scatter_copy_in([item.grad for item in bucket], shard_numels, world_size,
-                                                       first.grad.dtype, divisor if divisor != 1 else None)
+    packed = torch.ops.compshard.reduce_scatter_copy_in(
+        [item.grad for item in bucket], shard_numels, world_size, first.grad.dtype, divisor if divisor != 1 else None
+    )
     del first
     bucket.clear()  # the full gradients are packed: release them before the reduction allocates
     local_numels = [math.prod(layout.local_shape) for layout in layouts]
-    if world_size > 1 and group_size(spec.replicate_group) == 1 and reduce_scatters_by_exchange(spec.group_name,
-                                                                                                 packed.device):
+    if (
+        world_size > 1
+        and group_size(spec.replicate_group) == 1
+        and reduce_scatters_by_exchange(spec.group_name, packed.device)
+    ):
         received = exchanged_rows(packed, world_size, spec.group_name)
         flats = sum_rows_into_shards(received, shard_numels, local_numels, shard_dtype)
     else:
-        reduced = sum_over_ranks(packed, ShardLayout((world_size, sum(shard_numels)), world_size, rank),
-                                 spec.group_name, spec.replicate_group)
+        reduced = sum_over_ranks(
+            packed,
+            ShardLayout((world_size, sum(shard_numels)), world_size, rank),
+            spec.group_name,
+            spec.replicate_group,
+        )
         del packed  # (where the reduction returned a new tensor) before unpacking allocates
         flats = torch.ops.compshard.reduce_scatter_copy_out(reduced, shard_numels, local_numels, shard_dtype)
     return [flat.view(layout.local_shape) for flat, layout in zip(flats, layouts)]
@@ -237,8 +264,10 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
 def grad_sync_state(module: nn.Module) -> GradSync:
     state = getattr(module, "_compshard_grad_sync", None)
     if state is None or not hasattr(module, "_compshard_config"):  # a submodule shares its root's state
-        raise ValueError("compshard: gradient sync is set on the module passed to compshard.shard; "
-                         f"{type(module).__name__} is not one")
+        raise ValueError(
+            "compshard: gradient sync is set on the module passed to compshard.shard; "
+            f"{type(module).__name__} is not one"
+        )
     return state
 
 
@@ -262,16 +291,18 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
         state.sinks[name] = torch.zeros((), dtype=dtype, device=device).expand(spec.full_shape).requires_grad_()
 
 
-def reduce_accumulated_gradients(module: nn.Module, *, divide_by: int = 1,
-                                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> None:
+def reduce_accumulated_gradients(
+    module: nn.Module, *, divide_by: int = 1, bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> None:
     """Reduce the gradients ``module`` (the module passed to ``compshard.shard``) accumulated
     with gradient sync off: one reduction per bucket of at most ``bucket_bytes`` of full
     gradients, in registration order, landing in the parameters' ``.grad`` divided by
     ``divide_by`` (see :meth:`GradSync.reduce_accumulated`). Every rank must call it at
     the same point."""
     with torch.no_grad():
-        grad_sync_state(module).reduce_accumulated(dict(module.named_parameters()), divide_by=divide_by,
-                                          bucket_bytes=bucket_bytes)
+        grad_sync_state(module).reduce_accumulated(
+            dict(module.named_parameters()), divide_by=divide_by, bucket_bytes=bucket_bytes
+        )
 
 
 @contextlib.contextmanager

@@ -90,8 +90,10 @@ class Hardware:
         """The cost model's constants for a process group of these global ranks."""
         if compute_dtype not in self.peak_flops:
             allowed = [str(d) for d in self.peak_flops]
-            raise ValueError(f"compshard.plan: hardware {self.name!r} has no FLOP rate for compute dtype "
-                             f"{compute_dtype}; it knows {allowed}")
+            raise ValueError(
+                f"compshard.plan: hardware {self.name!r} has no FLOP rate for compute dtype "
+                f"{compute_dtype}; it knows {allowed}"
+            )
         n = len(ranks)
         one_node = len({rank // self.devices_per_node for rank in ranks}) == 1
         link = self.intra_node if one_node else self.inter_node
@@ -143,7 +145,7 @@ H100_HBM2E_500W = replace(
     memory_bandwidth=2400 * GB,
     memory_bytes=96 * 10**9,
     source="torchtitan benchmarks/llama3_h100_202412_torchtitan.md (memory, power, network); "
-           "NVIDIA H100 NVL datasheet (dense bf16 peak, FP32 60 TFLOP/s)",
+    "NVIDIA H100 NVL datasheet (dense bf16 peak, FP32 60 TFLOP/s)",
 )
 
 A100_SXM_80GB = replace(
@@ -245,9 +247,13 @@ class Measured:
         if states not in TIMED_OPTIMIZERS or size > GRAPH_TIMING_BYTES:
             return None
         device = torch.device(self.device)
-        return self._at_load(lambda: max(
-            _optimizer_step_seconds(shards, states, device)
-            - _optimizer_step_seconds([((1,), dtype) for _, dtype in shards], states, device), 0.0))
+        return self._at_load(
+            lambda: max(
+                _optimizer_step_seconds(shards, states, device)
+                - _optimizer_step_seconds([((1,), dtype) for _, dtype in shards], states, device),
+                0.0,
+            )
+        )
 
     def _at_load(self, timed: Callable[[], float | None]) -> float | None:
         """``timed()``'s seconds scaled to the training load: by the calibration matmul
@@ -305,7 +311,8 @@ def _time_op(node: fx.Node, device: torch.device) -> float | None:
     if not callable(target) or nbytes(values) > OP_TIMING_BYTES:  # a method's name: nothing to time
         return None
     args, kwargs = torch.utils._pytree.tree_map_only(
-        fx.Node, lambda n: _random_like(n.meta.get("val"), device), (node.args, node.kwargs))
+        fx.Node, lambda n: _random_like(n.meta.get("val"), device), (node.args, node.kwargs)
+    )
     try:
         target(*args, **kwargs)
     except Exception:  # noqa: BLE001 - an op random values do not suit (indices, shapes): keep the estimate
@@ -317,8 +324,9 @@ def _time_op(node: fx.Node, device: torch.device) -> float | None:
     return (time.perf_counter() - start) / calls
 
 
-def _optimizer_step_seconds(shards: Sequence[tuple[tuple[int, ...], torch.dtype]], states: int,
-                            device: torch.device) -> float:
+def _optimizer_step_seconds(
+    shards: Sequence[tuple[tuple[int, ...], torch.dtype]], states: int, device: torch.device
+) -> float:
     """Median seconds of ``OPTIMIZER_TIMING_STEPS`` steps of ``TIMED_OPTIMIZERS[states]``
     over random parameters and gradients of these (shape, dtype)."""
     params = [torch.nn.Parameter(torch.randn(shape, dtype=dtype, device=device)) for shape, dtype in shards]
@@ -370,16 +378,19 @@ def measure(device: torch.device, world_size: int) -> Measured:
         costs = cost_model.measure_costs(world, device, sustained_seconds)
         backend = str(dist.get_backend())
     elif world_size > 1:
-        raise ValueError("compshard.plan: hardware='measured' calibrates the link on the current process group; "
-                         f"initialize one (every rank calls plan) to plan for world_size={world_size}, or name a "
-                         f"preset: {sorted(PRESETS)}")
+        raise ValueError(
+            "compshard.plan: hardware='measured' calibrates the link on the current process group; "
+            f"initialize one (every rank calls plan) to plan for world_size={world_size}, or name a "
+            f"preset: {sorted(PRESETS)}"
+        )
     else:
         flops_per_second, node_overhead = cost_model.measure_compute(device, sustained_seconds)
         costs, backend = Costs(flops_per_second=flops_per_second, node_overhead=node_overhead), "none"
     source, target = torch.ones(1 << 18, device=device), torch.empty(1 << 18, device=device)
     bytes_per_second = target.nbytes / sustained_seconds(lambda: target.copy_(source), 5)
-    return Measured(replace(costs, bytes_per_second=bytes_per_second), backend, str(device),
-                    _step_seconds_per_tensor(device))
+    return Measured(
+        replace(costs, bytes_per_second=bytes_per_second), backend, str(device), _step_seconds_per_tensor(device)
+    )
 
 
 class _Scalars(torch.nn.Module):
@@ -421,6 +432,8 @@ def resolve(hardware: str | Hardware | Measured, device: torch.device, world_siz
     if hardware == "measured":
         return measure(device, world_size)
     if hardware not in PRESETS:
-        raise ValueError(f"compshard.plan: hardware={hardware!r} is not known; use 'measured', a Hardware, or one "
-                         f"of {sorted(PRESETS)}")
+        raise ValueError(
+            f"compshard.plan: hardware={hardware!r} is not known; use 'measured', a Hardware, or one "
+            f"of {sorted(PRESETS)}"
+        )
     return PRESETS[hardware]

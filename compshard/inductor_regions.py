@@ -99,8 +99,9 @@ def _runs(graph: fx.Graph) -> list[tuple[bool, list[fx.Node]]]:
     return runs
 
 
-def _region_module(gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node],
-                   outputs: list[fx.Node]) -> fx.GraphModule:
+def _region_module(
+    gm: fx.GraphModule, nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]
+) -> fx.GraphModule:
     """``nodes`` as a graph of their own: placeholders for ``inputs``, ``outputs``
     returned as a tuple, the constants they read (``get_attr``) copied in. Names are
     generated afresh, so equal regions are equal graphs."""
@@ -137,8 +138,9 @@ def _compile_region(region: fx.GraphModule, inputs: list[fx.Node], kind: str) ->
 
     example_inputs = [value.meta["val"] for value in inputs]
     with tracing(TracingContext(detect_fake_mode(example_inputs))):
-        return compile_fx_inner(region, example_inputs, is_backward=kind == "backward",
-                                is_inference=kind == "inference")
+        return compile_fx_inner(
+            region, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
+        )
 
 
 def _eager(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> Callable[[list], list]:
@@ -207,7 +209,7 @@ def compile_regions(gm: fx.GraphModule, kind: str) -> tuple[Callable[[list], lis
 
     def run(args: list) -> list:
         values: list[Any] = [None] * size
-        values[:len(args)] = args
+        values[: len(args)] = args
         args.clear()
         for i, constant in constants.items():
             values[i] = constant
@@ -217,8 +219,9 @@ def compile_regions(gm: fx.GraphModule, kind: str) -> tuple[Callable[[list], lis
                 values[i] = None
             for i, value in zip(step.outputs, step.call(inputs)):
                 values[i] = value
-        return list(torch.utils._pytree.tree_map(
-            lambda item: values[item] if isinstance(item, _Slot) else item, result))
+        return list(
+            torch.utils._pytree.tree_map(lambda item: values[item] if isinstance(item, _Slot) else item, result)
+        )
 
     run._boxed_call = True  # type: ignore[attr-defined]
     return run, compiled

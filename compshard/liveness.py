@@ -40,8 +40,19 @@ import torch.distributed as dist
 
 from compshard.compile_plan import ScheduleError
 
-__all__ = ["BEAT_SECONDS", "STALE_SECONDS", "Failure", "RankFailed", "PeerWatch", "blocked", "failures",
-           "publish_error", "publish_failure", "raise_published", "start"]
+__all__ = [
+    "BEAT_SECONDS",
+    "STALE_SECONDS",
+    "Failure",
+    "RankFailed",
+    "PeerWatch",
+    "blocked",
+    "failures",
+    "publish_error",
+    "publish_failure",
+    "raise_published",
+    "start",
+]
 
 BEAT_SECONDS = 0.5
 # No beat for this long: the rank is dead or hung. Well above a beat's delay on a busy
@@ -114,8 +125,9 @@ def start() -> None:
         atexit.register(_at_exit)
         previous_hook = sys.excepthook
 
-        def publish_then_report(kind: type[BaseException], value: BaseException,
-                                traceback: types.TracebackType | None) -> None:
+        def publish_then_report(
+            kind: type[BaseException], value: BaseException, traceback: types.TracebackType | None
+        ) -> None:
             publish_failure(f"{kind.__name__}: {value}", "error")
             previous_hook(kind, value, traceback)
 
@@ -162,8 +174,9 @@ def _blocked_on() -> str:
     """``"<group>|<wait number>"`` of a wait in a collective that has lasted over
     :data:`BLOCKED_SECONDS`, else ``""``."""
     now = time.monotonic()
-    return next((f"{group}|{wait}" for group, since, wait in list(_blocked.values()) if now - since > BLOCKED_SECONDS),
-                "")
+    return next(
+        (f"{group}|{wait}" for group, since, wait in list(_blocked.values()) if now - since > BLOCKED_SECONDS), ""
+    )
 
 
 def _beat_once() -> None:
@@ -259,8 +272,10 @@ class PeerWatch:
             if last is None or last[0] != beat:
                 self._seen[rank] = (beat, now)
             elif now - last[1] > STALE_SECONDS:
-                raise RankFailed(f"compshard: rank {rank} stopped: no heartbeat for {now - last[1]:.0f} s "
-                                 f"(killed, or its process hangs; this rank {context})")
+                raise RankFailed(
+                    f"compshard: rank {rank} stopped: no heartbeat for {now - last[1]:.0f} s "
+                    f"(killed, or its process hangs; this rank {context})"
+                )
             count, _, wait = beat.partition("|")
             if not wait:
                 self._blocked.pop(rank, None)

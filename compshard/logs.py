@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import os
 import sys
+import types
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -51,7 +52,8 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
     if sys.version_info >= (3, 12):
         warnings.warn(message, category, skip_file_prefixes=_LIBRARY_FOLDERS)
         return
-    frame, level = sys._getframe(1), 2  # stacklevel 2: the frame of sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
+    level = 2  # stacklevel 2: the frame of sys._getframe(1)
     while frame is not None and frame.f_code.co_filename.startswith(_LIBRARY_FOLDERS):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
@@ -65,7 +67,8 @@ def _artifact(name: str, encoding: str, payload_fn: Callable[[], Any]) -> None:
     """A structured artifact (written only under TORCH_TRACE: ``payload_fn`` runs then).
     Symbolic sizes (a dynamic graph's byte counts) are written as their size hints."""
     torch._logging.trace_structured(
-        "artifact", metadata_fn=lambda: {"name": name, "encoding": encoding},
+        "artifact",
+        metadata_fn=lambda: {"name": name, "encoding": encoding},
         payload_fn=lambda: _plain(payload_fn()),
     )
 
@@ -88,21 +91,46 @@ def log_plan(plan: CompilePlan) -> None:
     if log.isEnabledFor(logging.INFO):
         log.info("compshard: %d buckets", len(buckets))
         for bucket in buckets:
-            log.info("compshard:   bucket %s: %d params, %s gathered%s", bucket.name, len(bucket.params),
-                     format_mib(bucket.nbytes), ", kept gathered forward->backward" if bucket.keep_gathered else "")
+            log.info(
+                "compshard:   bucket %s: %d params, %s gathered%s",
+                bucket.name,
+                len(bucket.params),
+                format_mib(bucket.nbytes),
+                ", kept gathered forward->backward" if bucket.keep_gathered else "",
+            )
         for part in (budget, recompute):
             if part is not None:
                 log.info("compshard: %s", part.describe())
-    _artifact("compshard_plan", "json", lambda: {
-        "buckets": [{"name": b.name, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered}
-                    for b in buckets],
-        "memory_budget": None if not budget else {
-            "kept": list(budget.kept), "levels": budget.levels, "eager_saved_bytes": budget.eager_saved_bytes,
-            "freed_bytes": budget.freed_bytes, "kept_bytes": budget.kept_bytes, "seconds_saved": budget.seconds_saved},
-        "recompute": None if recompute is None else {
-            "policy": recompute.policy, "levels": recompute.levels, "saved_bytes": recompute.saved,
-            "planned_bytes": recompute.planned_bytes, "budget_bytes": recompute.budget_bytes, "fits": recompute.fits},
-    })
+    _artifact(
+        "compshard_plan",
+        "json",
+        lambda: {
+            "buckets": [
+                {"name": b.name, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered}
+                for b in buckets
+            ],
+            "memory_budget": None
+            if not budget
+            else {
+                "kept": list(budget.kept),
+                "levels": budget.levels,
+                "eager_saved_bytes": budget.eager_saved_bytes,
+                "freed_bytes": budget.freed_bytes,
+                "kept_bytes": budget.kept_bytes,
+                "seconds_saved": budget.seconds_saved,
+            },
+            "recompute": None
+            if recompute is None
+            else {
+                "policy": recompute.policy,
+                "levels": recompute.levels,
+                "saved_bytes": recompute.saved,
+                "planned_bytes": recompute.planned_bytes,
+                "budget_bytes": recompute.budget_bytes,
+                "fits": recompute.fits,
+            },
+        },
+    )
 
 
 def decisions(graph_plan: GraphPlan) -> dict:
@@ -125,15 +153,30 @@ def log_schedule(gm: fx.GraphModule, graph_plan: GraphPlan) -> None:
     if log.isEnabledFor(logging.INFO):
         timeline = simulate(gm.graph)
         for collective_kind, groups in facts["coalesced"].items():
-            log.info("compshard: %s %s: %d collectives for %d buckets: %s", kind, collective_kind, len(groups),
-                     sum(len(g) for g in groups), ", ".join("+".join(g) for g in groups))
+            log.info(
+                "compshard: %s %s: %d collectives for %d buckets: %s",
+                kind,
+                collective_kind,
+                len(groups),
+                sum(len(g) for g in groups),
+                ", ".join("+".join(g) for g in groups),
+            )
         if facts["prefetch"]:
-            log.info("compshard: %s prefetch (all-gathers ahead): %s", kind,
-                     ", ".join(f"{bucket} {distance}" for bucket, distance in facts["prefetch"].items()))
-        log.info("compshard: %s estimated: %.3f ms (compute %.3f, comm %.3f, exposed comm %.3f), peak %s, "
-                 "fingerprint %s", kind, timeline.total * 1e3, (timeline.total - timeline.exposed_comm) * 1e3,
-                 timeline.comm * 1e3, timeline.exposed_comm * 1e3, format_mib(facts["peak_bytes"] or 0),
-                 facts["fingerprint"])
+            log.info(
+                "compshard: %s prefetch (all-gathers ahead): %s",
+                kind,
+                ", ".join(f"{bucket} {distance}" for bucket, distance in facts["prefetch"].items()),
+            )
+        log.info(
+            "compshard: %s estimated: %.3f ms (compute %.3f, comm %.3f, exposed comm %.3f), peak %s, fingerprint %s",
+            kind,
+            timeline.total * 1e3,
+            (timeline.total - timeline.exposed_comm) * 1e3,
+            timeline.comm * 1e3,
+            timeline.exposed_comm * 1e3,
+            format_mib(facts["peak_bytes"] or 0),
+            facts["fingerprint"],
+        )
     if log.isEnabledFor(logging.DEBUG):
         log.debug("compshard: scheduled %s graph:\n%s", kind, gm.print_readable(print_output=False))
     _artifact(f"compshard_{kind}_decisions", "json", lambda: facts)

@@ -61,10 +61,27 @@ import torch.distributed as dist
 
 from compshard import liveness
 
-__all__ = ["GRAD_SYNC_MODES", "ReduceGradArgs", "ShardLayout", "UnshardArgs", "all_gather_rows",
-           "all_gathers_by_send_recv", "averaging_ranks", "backend_name", "direct_call", "exchange_rows",
-           "exchanged_rows", "group_rank", "group_size", "reduce_scatters_by_exchange", "resolve_group",
-           "simulated_backends", "sum_over_ranks", "sum_rows", "sum_rows_into_shards"]
+__all__ = [
+    "GRAD_SYNC_MODES",
+    "ReduceGradArgs",
+    "ShardLayout",
+    "UnshardArgs",
+    "all_gather_rows",
+    "all_gathers_by_send_recv",
+    "averaging_ranks",
+    "backend_name",
+    "direct_call",
+    "exchange_rows",
+    "exchanged_rows",
+    "group_rank",
+    "group_size",
+    "reduce_scatters_by_exchange",
+    "resolve_group",
+    "simulated_backends",
+    "sum_over_ranks",
+    "sum_rows",
+    "sum_rows_into_shards",
+]
 
 GRAD_SYNC_MODES = ("reduce", "accumulate", "fold")
 
@@ -186,6 +203,7 @@ def all_gathers_by_send_recv(group_name: str, device: torch.device) -> bool:
 GATHER_ROWS_TAG = 0x6373
 EXCHANGE_ROWS_TAG = GATHER_ROWS_TAG + 1  # eager reductions' sends (exchanged_rows)
 
+
 def _peers(rank: int, world_size: int) -> Iterator[tuple[int, int]]:
     """``(to, source)`` for each step of a send-and-receive exchange among ``world_size``
     ranks: at step ``s`` this rank sends to rank ``rank + s`` and receives from rank
@@ -215,8 +233,7 @@ def _(buffer, world_size, group_name):
     return buffer
 
 
-torch.library.define("compshard::exchange_rows_",
-                     "(Tensor(a!) buffer, int world_size, str group_name) -> Tensor(a!)")
+torch.library.define("compshard::exchange_rows_", "(Tensor(a!) buffer, int world_size, str group_name) -> Tensor(a!)")
 
 
 @torch.library.impl("compshard::exchange_rows_", "CompositeExplicitAutograd")
@@ -302,8 +319,9 @@ def all_gather_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> t
     if all_gathers_by_send_recv(group_name, buffer.device):
         return _c10d.wait_tensor(torch.ops.compshard.gather_rows_(buffer, world_size, group_name))
     rank, slot = group_rank(group_name), buffer.numel() // world_size
-    return _c10d.wait_tensor(_c10d.all_gather_into_tensor_out(buffer[rank * slot:(rank + 1) * slot], world_size,
-                                                              group_name, out=buffer))
+    return _c10d.wait_tensor(
+        _c10d.all_gather_into_tensor_out(buffer[rank * slot : (rank + 1) * slot], world_size, group_name, out=buffer)
+    )
 
 
 class UnshardArgs(NamedTuple):
@@ -383,8 +401,15 @@ def _unshard_setup_context(ctx, inputs, output):
     if args.grad_sync not in GRAD_SYNC_MODES:
         raise ValueError(f"compshard::unshard: grad_sync={args.grad_sync!r}; allowed: {list(GRAD_SYNC_MODES)}")
     ctx.grad_sync = args.grad_sync
-    ctx.reduce_args = (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype,
-                       args.shard.dtype, args.replicate_group)
+    ctx.reduce_args = (
+        args.full_shape,
+        args.world_size,
+        args.group_name,
+        args.param,
+        args.reduce_dtype,
+        args.shard.dtype,
+        args.replicate_group,
+    )
     if args.grad_sync == "accumulate":
         ctx.sink_dtype = args.grad_sink.dtype
     elif args.grad_sync == "fold":
@@ -474,16 +499,23 @@ def sum_rows(rows: torch.Tensor | Sequence[torch.Tensor], out: torch.Tensor | No
     return total if out is None else out.copy_(total)
 
 
-def sum_rows_into_shards(rows: torch.Tensor | Sequence[torch.Tensor], shard_numels: Sequence[int],
-                         local_numels: Sequence[int], dtype: torch.dtype) -> list[torch.Tensor]:
+def sum_rows_into_shards(
+    rows: torch.Tensor | Sequence[torch.Tensor],
+    shard_numels: Sequence[int],
+    local_numels: Sequence[int],
+    dtype: torch.dtype,
+) -> list[torch.Tensor]:
     """Each parameter's shard (``local_numels[i]`` elements, cast to ``dtype``) summed
     straight from its columns of the exchanged ``rows`` (:func:`sum_rows`): no buffer of
     the sums to copy out, so one pass over the bytes fewer."""
     shards = [rows[0].new_empty(n, dtype=dtype) for n in local_numels]
     offset = 0
     for shard, length, numel in zip(shards, shard_numels, local_numels):
-        columns = rows[:, offset:offset + numel] if isinstance(rows, torch.Tensor) else [
-            row[offset:offset + numel] for row in rows]
+        columns = (
+            rows[:, offset : offset + numel]
+            if isinstance(rows, torch.Tensor)
+            else [row[offset : offset + numel] for row in rows]
+        )
         sum_rows(columns, out=shard)
         offset += length
     return shards
@@ -535,7 +567,7 @@ def _all_gather_copy_in(
     slot = sum(shard_numels)
     buffer = shards[0].new_empty(world_size * slot, dtype=dtype)
     copy_in = _kernel("all_gather_copy_in", [dtype, *(s.dtype for s in shards)], buffer.device)
-    copy_in(shards, shard_numels, dtype, out=buffer[rank * slot:(rank + 1) * slot])
+    copy_in(shards, shard_numels, dtype, out=buffer[rank * slot : (rank + 1) * slot])
     return buffer
 
 
@@ -550,7 +582,7 @@ def _(shards, shard_numels, dtype, world_size, rank):
 def _split_numels(numels: list[int], splits: list[int]) -> list[list[int]]:
     """``numels`` cut into consecutive runs of ``splits[i]`` parameters each."""
     starts = [sum(splits[:i]) for i in range(len(splits))]
-    return [numels[start:start + count] for start, count in zip(starts, splits)]
+    return [numels[start : start + count] for start, count in zip(starts, splits)]
 
 
 def _all_gather_copy_out(
@@ -583,8 +615,9 @@ def _reduce_scatter_copy_in(
     return copy_in(grads, shard_numels, world_size, dtype, divide_by)
 
 
-reduce_scatter_copy_in = torch.library.custom_op("compshard::reduce_scatter_copy_in", _reduce_scatter_copy_in,
-                                                 mutates_args=())
+reduce_scatter_copy_in = torch.library.custom_op(
+    "compshard::reduce_scatter_copy_in", _reduce_scatter_copy_in, mutates_args=()
+)
 
 
 @reduce_scatter_copy_in.register_fake
@@ -608,8 +641,9 @@ def _reduce_scatter_copy_out(
     return shards
 
 
-reduce_scatter_copy_out = torch.library.custom_op("compshard::reduce_scatter_copy_out", _reduce_scatter_copy_out,
-                                                  mutates_args=())
+reduce_scatter_copy_out = torch.library.custom_op(
+    "compshard::reduce_scatter_copy_out", _reduce_scatter_copy_out, mutates_args=()
+)
 
 
 @reduce_scatter_copy_out.register_fake

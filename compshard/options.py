@@ -146,8 +146,12 @@ def _budget(value: Any) -> str | None:
 def _recompute(value: Any) -> str | None:
     if value in ("none", "full", "selective"):
         return None
-    if isinstance(value, Mapping) and set(value) == {"budget_mb"} and _is_number(value["budget_mb"]) \
-            and value["budget_mb"] >= 0:
+    if (
+        isinstance(value, Mapping)
+        and set(value) == {"budget_mb"}
+        and _is_number(value["budget_mb"])
+        and value["budget_mb"] >= 0
+    ):
         return None
     return "'none', 'full', 'selective' or {'budget_mb': a number >= 0}"
 

@@ -75,8 +75,19 @@ from compshard.sharding import shard
 from compshard.step_gather import gathered_for_step
 from compshard.torch_compat import TORCH_2_13
 
-__all__ = ["Pipeline", "PipelineReport", "RESHARD_MODES", "Reshard", "SCHEDULES", "bubble_fraction",
-           "StepLoss", "compiles_stage", "pipeline", "sum_tied_gradients", "tied_gradient_groups"]
+__all__ = [
+    "Pipeline",
+    "PipelineReport",
+    "RESHARD_MODES",
+    "Reshard",
+    "SCHEDULES",
+    "bubble_fraction",
+    "StepLoss",
+    "compiles_stage",
+    "pipeline",
+    "sum_tied_gradients",
+    "tied_gradient_groups",
+]
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}
 
@@ -132,8 +143,16 @@ class Pipeline:
     """
 
     def __init__(
-        self, partition: Partition, loss_fn: Callable, *, schedule: str, microbatches: int, mesh: DeviceMesh,
-        device: torch.device, input_shapes: list[torch.Size], compile_options: dict[str, Any] | None,
+        self,
+        partition: Partition,
+        loss_fn: Callable,
+        *,
+        schedule: str,
+        microbatches: int,
+        mesh: DeviceMesh,
+        device: torch.device,
+        input_shapes: list[torch.Size],
+        compile_options: dict[str, Any] | None,
         reshard: Reshard,
     ) -> None:
         self.partition = partition
@@ -153,15 +172,23 @@ class Pipeline:
         self._compiled = self._compile_requested and compiles_stage(options, self._sharded, reshard)
         self._reshard = reshard
         self._bucket_bytes = int(options.bucket_mb * 2**20)
-        runner = torch.compile(self.module, backend="compshard", options=compile_options) if self._compiled \
-            else self.module
+        runner = (
+            torch.compile(self.module, backend="compshard", options=compile_options) if self._compiled else self.module
+        )
         # Torch 2.11's PipelineStage infers shapes by running the stage once without
         # gradients, which compiles an extra graph; the captured shapes make that needless.
         # Torch 2.13 infers them from the first step's real forward instead.
         inputs_meta, outputs_meta = (None, None) if TORCH_2_13 else stage_io_meta(partition, self.stage_index)
         # torch.compile of a Module returns an OptimizedModule (a Module); its stub says Callable
-        stage = PipelineStage(runner, self.stage_index, self._stages, device, input_args=inputs_meta,  # type: ignore[arg-type]
-                              output_args=outputs_meta, group=mesh["pp"].get_group())
+        stage = PipelineStage(
+            runner,  # type: ignore[arg-type]
+            self.stage_index,
+            self._stages,
+            device,
+            input_args=inputs_meta,
+            output_args=outputs_meta,
+            group=mesh["pp"].get_group(),
+        )
         # A sharded stage divides by M in its one reduction per step; the schedule's own
         # division would find no gradient yet.
         self._schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn, scale_grads=not self._sharded)
@@ -190,12 +217,13 @@ class Pipeline:
         losses: list[torch.Tensor] = []
         with self._accumulating_gradients():
             self._schedule.step(
-                *(args if is_first else ()), target=targets if is_last else None, losses=losses if is_last else None,
+                *(args if is_first else ()),
+                target=targets if is_last else None,
+                losses=losses if is_last else None,
                 return_outputs=False,
             )
             if self._sharded:
-                reduce_accumulated_gradients(self.module, divide_by=self._microbatches,
-                                             bucket_bytes=self._bucket_bytes)
+                reduce_accumulated_gradients(self.module, divide_by=self._microbatches, bucket_bytes=self._bucket_bytes)
         sum_tied_gradients(self._tied)
         return self._step_loss(losses, targets.device)
 
@@ -212,12 +240,21 @@ class Pipeline:
     def describe(self) -> PipelineReport:
         """The stages (modules, ops, estimated forward cost, parameter memory before
         sharding) and the schedule's bubble fraction."""
-        return PipelineReport(self.partition, self._schedule_name, self._microbatches, self._data_parallel,
-                              self._compiled, self._reshard, self._compile_requested and not self._compiled)
+        return PipelineReport(
+            self.partition,
+            self._schedule_name,
+            self._microbatches,
+            self._data_parallel,
+            self._compiled,
+            self._reshard,
+            self._compile_requested and not self._compiled,
+        )
 
 
 def tied_gradient_groups(
-    partition: Partition, mesh: DeviceMesh, params: Mapping[str, nn.Parameter],
+    partition: Partition,
+    mesh: DeviceMesh,
+    params: Mapping[str, nn.Parameter],
 ) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
     """For each tied parameter this rank's stage holds (``params``: its parameters by
     name): the group of ranks (same ``dp`` index, the stages holding it) its gradient is
@@ -297,11 +334,15 @@ def _compile_options(compile: bool, compile_options: Mapping[str, Any] | None) -
     if compile_options is None:
         return {} if compile else None
     if not isinstance(compile_options, Mapping):
-        raise TypeError(f"compshard.pipeline: compile_options must be a dict of backend options or None, "
-                        f"got {type(compile_options).__name__}")
+        raise TypeError(
+            f"compshard.pipeline: compile_options must be a dict of backend options or None, "
+            f"got {type(compile_options).__name__}"
+        )
     if not compile:
-        raise ValueError("compshard.pipeline: compile_options are the compshard backend's options; they need "
-                         "compile=True (got compile=False)")
+        raise ValueError(
+            "compshard.pipeline: compile_options are the compshard backend's options; they need "
+            "compile=True (got compile=False)"
+        )
     CompileOptions.from_dict(compile_options)  # raises naming the bad option
     return dict(compile_options)
 
@@ -427,5 +468,14 @@ def pipeline(
     micro_batch = tuple(a[: batch // microbatches] for a in args)
     partition = partition_stages(model, micro_batch, stages, costs=costs)
     _check_same_cut(partition)
-    return Pipeline(partition, loss_fn, schedule=schedule, microbatches=microbatches, mesh=mesh, device=device,
-                    input_shapes=[a.shape for a in args], compile_options=options, reshard=reshard)
+    return Pipeline(
+        partition,
+        loss_fn,
+        schedule=schedule,
+        microbatches=microbatches,
+        mesh=mesh,
+        device=device,
+        input_shapes=[a.shape for a in args],
+        compile_options=options,
+        reshard=reshard,
+    )

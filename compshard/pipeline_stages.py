@@ -117,8 +117,15 @@ class Partition:
         from tabulate import tabulate
 
         rows = [
-            [s.index, ", ".join(s.modules) or "-", len(s.nodes), f"{s.cost_seconds * 1e3:.3f}",
-             f"{s.param_bytes / 2**20:.3f}", _shapes(s.inputs), _shapes(s.outputs)]
+            [
+                s.index,
+                ", ".join(s.modules) or "-",
+                len(s.nodes),
+                f"{s.cost_seconds * 1e3:.3f}",
+                f"{s.param_bytes / 2**20:.3f}",
+                _shapes(s.inputs),
+                _shapes(s.outputs),
+            ]
             for s in self.stages
         ]
         headers = ["stage", "modules", "ops", "est. forward ms / micro-batch", "param MiB", "receives", "sends"]
@@ -186,7 +193,10 @@ def _bytes(nodes: Sequence[fx.Node]) -> int:
 
 
 def _min_bottleneck(
-    positions: list[int], stages: int, weight: Callable[[int, int], float], fits: Callable[[int, int], bool],
+    positions: list[int],
+    stages: int,
+    weight: Callable[[int, int], float],
+    fits: Callable[[int, int], bool],
 ) -> tuple[float, list[int]]:
     """Cut ``positions[0]..positions[-1]`` into ``stages`` runs between allowed positions,
     minimising the largest ``weight(start, stop)`` over runs with ``fits(start, stop)``.
@@ -236,8 +246,10 @@ def _module_summary(ops: list[fx.Node], stage_of: list[int], stage: int) -> list
         return any(stages_of_module.get(".".join(parts[:i])) == {stage} for i in range(1, len(parts)))
 
     def split_child(path: str) -> bool:
-        return any(p.startswith(path + ".") and stage in stages_of_module[p] and len(stages_of_module[p]) > 1
-                   for p in stages_of_module)
+        return any(
+            p.startswith(path + ".") and stage in stages_of_module[p] and len(stages_of_module[p]) > 1
+            for p in stages_of_module
+        )
 
     summary = []
     for path in order:
@@ -250,7 +262,11 @@ def _module_summary(ops: list[fx.Node], stage_of: list[int], stage: int) -> list
 
 
 def partition_stages(
-    model: nn.Module, example_inputs: tuple[torch.Tensor, ...], stages: int, *, costs: Costs | None = None,
+    model: nn.Module,
+    example_inputs: tuple[torch.Tensor, ...],
+    stages: int,
+    *,
+    costs: Costs | None = None,
 ) -> Partition:
     """Capture ``model``'s forward on ``example_inputs`` (one micro-batch) and cut it into
     ``stages`` stages balanced by estimated cost; see the module docstring.
@@ -300,16 +316,18 @@ def partition_stages(
         start, stop = bounds[k], bounds[k + 1]
         nodes = ops[start:stop]
         used_state = {n.name: state[n.name] for node in nodes for n in node.all_input_nodes if n.name in state}
-        plans.append(StagePlan(
-            index=k,
-            nodes=nodes,
-            inputs=user_inputs if k == 0 else live[start],
-            outputs=list(flat_outputs) if k == stages - 1 else live[stop],
-            state=used_state,
-            modules=_module_summary(ops, stage_of, k),
-            compute_seconds=prefix[stop] - prefix[start],
-            transfer_seconds=cut_seconds.get(start, 0.0) + cut_seconds.get(stop, 0.0),
-        ))
+        plans.append(
+            StagePlan(
+                index=k,
+                nodes=nodes,
+                inputs=user_inputs if k == 0 else live[start],
+                outputs=list(flat_outputs) if k == stages - 1 else live[stop],
+                state=used_state,
+                modules=_module_summary(ops, stage_of, k),
+                compute_seconds=prefix[stop] - prefix[start],
+                transfer_seconds=cut_seconds.get(start, 0.0) + cut_seconds.get(stop, 0.0),
+            )
+        )
     return Partition(
         graph_module=gm,
         stages=plans,

@@ -79,8 +79,15 @@ GiB = 2**30
 EXTRAPOLATE_FROM = 8  # depth="auto" extrapolates stacks of at least this many blocks
 PLANNED_BLOCKS = (3, 4)  # the truncated depths an extrapolated plan compiles
 Depth = Literal["auto", "exact", "extrapolate"]
-_SHARD_KEYWORDS = ("strategy", "reshard_after_forward", "param_dtype", "reduce_dtype", "output_dtype",
-                   "cast_forward_inputs", "buffer_dtype")
+_SHARD_KEYWORDS = (
+    "strategy",
+    "reshard_after_forward",
+    "param_dtype",
+    "reduce_dtype",
+    "output_dtype",
+    "cast_forward_inputs",
+    "buffer_dtype",
+)
 _HOLDERS = ("gradients", "activations", "gathered_parameters", "collective_buffers")
 
 
@@ -100,8 +107,14 @@ class MemoryEstimate:
 
     @property
     def peak(self) -> int:
-        return (self.parameters + self.optimizer_state + self.gradients + self.activations
-                + self.gathered_parameters + self.collective_buffers)
+        return (
+            self.parameters
+            + self.optimizer_state
+            + self.gradients
+            + self.activations
+            + self.gathered_parameters
+            + self.collective_buffers
+        )
 
 
 @dataclass(frozen=True)
@@ -190,22 +203,46 @@ class PlanReport:
         strategy = self.sharding.get("strategy", "full_shard")
         dtype = self.sharding.get("param_dtype")
         options = ", ".join(f"{k}={v}" for k, v in self.options.items()) or "default options"
-        return (f"{strategy} (shard {self.shard_size} x replicate {self.replicate_size}"
-                f"{f' x tp {self.tp}' if self.tp > 1 else ''}{f', param_dtype {dtype}' if dtype else ''}), {options}")
+        return (
+            f"{strategy} (shard {self.shard_size} x replicate {self.replicate_size}"
+            f"{f' x tp {self.tp}' if self.tp > 1 else ''}{f', param_dtype {dtype}' if dtype else ''}), {options}"
+        )
 
     def __str__(self) -> str:
         m, s = self.memory, self.step
         fits = self.fits()
-        capacity = "" if fits is None or self.memory_capacity is None else \
-            f" of {self.memory_capacity / GiB:.1f} ({'fits' if fits else 'does not fit'})"
-        memory = tabulate([[f"{v / GiB:.3f}" for v in (m.parameters, m.optimizer_state, m.gradients, m.activations,
-                                                        m.gathered_parameters, m.collective_buffers, m.peak)]],
-                          headers=["params", "optim state", "grads", "activations", "gathered params",
-                                   "collective buffers", "peak"])
+        capacity = (
+            ""
+            if fits is None or self.memory_capacity is None
+            else f" of {self.memory_capacity / GiB:.1f} ({'fits' if fits else 'does not fit'})"
+        )
+        memory = tabulate(
+            [
+                [
+                    f"{v / GiB:.3f}"
+                    for v in (
+                        m.parameters,
+                        m.optimizer_state,
+                        m.gradients,
+                        m.activations,
+                        m.gathered_parameters,
+                        m.collective_buffers,
+                        m.peak,
+                    )
+                ]
+            ],
+            headers=["params", "optim state", "grads", "activations", "gathered params", "collective buffers", "peak"],
+        )
         lines = [
             f"compshard.plan: {self.world_size} ranks on {self.hardware}: {self.configuration()}",
-            *([f"extrapolated from {self.extrapolated[0]} of the {self.extrapolated[1]} blocks of "
-               f"'{self.extrapolated[2]}'"] if self.extrapolated else []),
+            *(
+                [
+                    f"extrapolated from {self.extrapolated[0]} of the {self.extrapolated[1]} blocks of "
+                    f"'{self.extrapolated[2]}'"
+                ]
+                if self.extrapolated
+                else []
+            ),
             f"memory per rank (GiB), peak in {m.peak_graph}{capacity}:",
             memory,
             f"step {s.total * 1e3:.1f} ms = forward {s.forward * 1e3:.1f} + backward {s.backward * 1e3:.1f} + "
@@ -221,11 +258,21 @@ class PlanReport:
             lines.append(f"longest waits for communication: {waits}")
         lines += [f"note: {note}" for note in self.notes]
         if self.candidates:
-            lines.append(tabulate(
-                [[c.configuration(), f"{c.memory.peak / GiB:.3f}", f"{c.step.total * 1e3:.1f}",
-                  f"{c.tokens_per_second_per_rank:,.0f}", "*" if c is self.recommended else ""]
-                 for c in self.candidates],
-                headers=["candidate", "peak GiB", "step ms", "tokens/s/rank", "fastest fitting"]))
+            lines.append(
+                tabulate(
+                    [
+                        [
+                            c.configuration(),
+                            f"{c.memory.peak / GiB:.3f}",
+                            f"{c.step.total * 1e3:.1f}",
+                            f"{c.tokens_per_second_per_rank:,.0f}",
+                            "*" if c is self.recommended else "",
+                        ]
+                        for c in self.candidates
+                    ],
+                    headers=["candidate", "peak GiB", "step ms", "tokens/s/rank", "fastest fitting"],
+                )
+            )
             if self.recommended is None:
                 lines.append("no candidate fits the memory budget")
         return "\n".join(lines)
@@ -240,8 +287,11 @@ def default_candidates(world_size: int, devices_per_node: int) -> list[tuple[dic
     strategies = ["full_shard", "shard_grad_op"]
     if world_size > devices_per_node and world_size % devices_per_node == 0:
         strategies.append("hybrid_shard")
-    return [({"strategy": strategy}, {"recompute": recompute})
-            for strategy in strategies for recompute in ("none", "selective", "full")]
+    return [
+        ({"strategy": strategy}, {"recompute": recompute})
+        for strategy in strategies
+        for recompute in ("none", "selective", "full")
+    ]
 
 
 def plan(
@@ -323,8 +373,10 @@ def plan(
     for setup_sharding, setup_options in setups:
         _check_setup(setup_sharding, setup_options, world_size, group_size)
         if tp > 1 and setup_sharding.get("strategy", "full_shard") == "hybrid_shard":
-            raise ValueError("compshard.plan: strategy='hybrid_shard' with tp > 1 is not planned yet; plan "
-                             "'full_shard' or 'shard_grad_op' over the world_size / tp data-parallel ranks")
+            raise ValueError(
+                "compshard.plan: strategy='hybrid_shard' with tp > 1 is not planned yet; plan "
+                "'full_shard' or 'shard_grad_op' over the world_size / tp data-parallel ranks"
+            )
     meta_model = _copy_model(model, _meta_like)
     inputs = torch.utils._pytree.tree_map_only(torch.Tensor, _meta_like, (example_inputs, model_kwargs))
     tokens = tokens_per_rank if tokens_per_rank is not None else _count_tokens(inputs)
@@ -348,15 +400,20 @@ def plan(
 def _check_setup(sharding: dict, options: dict, world_size: int, group_size: int) -> None:
     unknown = sorted(set(sharding) - set(_SHARD_KEYWORDS))
     if unknown:
-        raise ValueError(f"compshard.plan: unknown sharding keyword(s) {unknown}; allowed: {list(_SHARD_KEYWORDS)} "
-                         "(the mesh is built by plan)")
+        raise ValueError(
+            f"compshard.plan: unknown sharding keyword(s) {unknown}; allowed: {list(_SHARD_KEYWORDS)} "
+            "(the mesh is built by plan)"
+        )
     strategy = sharding.get("strategy", "full_shard")
     if strategy not in STRATEGIES:
-        raise ValueError(f"compshard.plan: sharding strategy={strategy!r} is not allowed; use one of "
-                         f"{list(STRATEGIES)}")
+        raise ValueError(
+            f"compshard.plan: sharding strategy={strategy!r} is not allowed; use one of {list(STRATEGIES)}"
+        )
     if strategy == "hybrid_shard" and (group_size < 1 or world_size % group_size or group_size == world_size):
-        raise ValueError(f"compshard.plan: strategy='hybrid_shard' needs shard_group_size dividing world_size="
-                         f"{world_size} into more than one group, got {group_size}")
+        raise ValueError(
+            f"compshard.plan: strategy='hybrid_shard' needs shard_group_size dividing world_size="
+            f"{world_size} into more than one group, got {group_size}"
+        )
     CompileOptions.from_dict(options)
 
 
@@ -364,8 +421,10 @@ def _check_tensor_parallel(tp: Any, tp_plan: Any, world_size: int) -> None:
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world_size % tp:
         raise ValueError(f"compshard.plan: tp must be an int >= 1 dividing world_size={world_size}, got {tp!r}")
     if tp > 1 and not callable(tp_plan):
-        raise ValueError(f"compshard.plan: tp={tp} needs tp_plan, a function of the model returning the plan "
-                         f"parallelize_module applies on mesh['tp'] (got {tp_plan!r})")
+        raise ValueError(
+            f"compshard.plan: tp={tp} needs tp_plan, a function of the model returning the plan "
+            f"parallelize_module applies on mesh['tp'] (got {tp_plan!r})"
+        )
     if tp == 1 and tp_plan is not None:
         raise ValueError("compshard.plan: tp_plan is given but tp=1; pass tp=<tensor-parallel ranks>")
 
@@ -400,12 +459,17 @@ def _copy_model(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) 
 
 def _block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
     """The longest ``ModuleList`` of blocks of one class with the same parameter shapes."""
+
     def signature(block: nn.Module) -> tuple:
         return type(block), tuple((name, tuple(p.shape), p.dtype) for name, p in block.named_parameters())
 
-    stacks = [(name, module) for name, module in model.named_modules()
-              if isinstance(module, nn.ModuleList) and len(module) >= PLANNED_BLOCKS[1]
-              and len({signature(block) for block in module}) == 1]
+    stacks = [
+        (name, module)
+        for name, module in model.named_modules()
+        if isinstance(module, nn.ModuleList)
+        and len(module) >= PLANNED_BLOCKS[1]
+        and len({signature(block) for block in module}) == 1
+    ]
     return max(stacks, key=lambda stack: len(stack[1]), default=None)
 
 
@@ -466,13 +530,18 @@ class _Estimates:
 
     def extended(self, shallower: _Estimates, blocks: int) -> _Estimates:
         """``self`` plus ``blocks`` times the difference to ``shallower`` (one block fewer)."""
+
         def extend(deep: float, shallow: float) -> float:
             return deep + blocks * (deep - shallow)
 
-        peaks = {graph: {holder: round(extend(b, shallower.peaks[graph][holder])) for holder, b in held.items()}
-                 for graph, held in self.peaks.items()}
-        return _Estimates(peaks, *(extend(getattr(self, f.name), getattr(shallower, f.name))
-                                   for f in fields(self) if f.name != "peaks"))
+        peaks = {
+            graph: {holder: round(extend(b, shallower.peaks[graph][holder])) for holder, b in held.items()}
+            for graph, held in self.peaks.items()
+        }
+        return _Estimates(
+            peaks,
+            *(extend(getattr(self, f.name), getattr(shallower, f.name)) for f in fields(self) if f.name != "peaks"),
+        )
 
 
 def _in_subprocess(fn: Callable, *args: Any) -> Any:
@@ -519,14 +588,19 @@ def _extrapolation(job: _Job, sharding: dict, options: CompileOptions) -> tuple[
     blocks do not couple the schedule; None to compile the whole model."""
     stack = _block_stack(job.meta_model) if job.depth != "exact" else None
     if job.depth == "extrapolate" and stack is None:
-        raise ValueError(f"compshard.plan: depth='extrapolate' needs a ModuleList of at least {PLANNED_BLOCKS[1]} "
-                         "identical blocks")
+        raise ValueError(
+            f"compshard.plan: depth='extrapolate' needs a ModuleList of at least {PLANNED_BLOCKS[1]} identical blocks"
+        )
     if stack is None or job.depth == "extrapolate":
         return None if stack is None else (stack[0], len(stack[1]))
     dtype = sharding.get("param_dtype")
     block_bytes = sum(p.numel() * (dtype or p.dtype).itemsize for p in stack[1][0].parameters()) // job.tp
-    independent = (options.buckets == "auto" and options.memory_budget_mb is None
-                   and not isinstance(options.recompute, dict) and block_bytes > options.bucket_mb * MiB)
+    independent = (
+        options.buckets == "auto"
+        and options.memory_budget_mb is None
+        and not isinstance(options.recompute, dict)
+        and block_bytes > options.bucket_mb * MiB
+    )
     return (stack[0], len(stack[1])) if independent and len(stack[1]) >= EXTRAPOLATE_FROM else None
 
 
@@ -540,40 +614,65 @@ def _plan_setup(job: _Job, sharding: dict, options: dict) -> PlanReport:
     else:
         stack_name, blocks = extrapolation
         shallow, deep = PLANNED_BLOCKS
-        shallower, _ = _compile(job, _truncated(job.meta_model, stack_name, shallow), sharding, options, shard_size,
-                                compute_dtype)
-        deeper, schedule = _compile(job, _truncated(job.meta_model, stack_name, deep), sharding, options, shard_size,
-                                    compute_dtype)
+        shallower, _ = _compile(
+            job, _truncated(job.meta_model, stack_name, shallow), sharding, options, shard_size, compute_dtype
+        )
+        deeper, schedule = _compile(
+            job, _truncated(job.meta_model, stack_name, deep), sharding, options, shard_size, compute_dtype
+        )
         estimates = deeper.extended(shallower, blocks - deep)
-    shards = _rank0_shards(job.meta_model, shard_size) if job.tp == 1 else \
-        _tensor_parallel_shards(job, sharding, shard_size, compute_dtype)
+    shards = (
+        _rank0_shards(job.meta_model, shard_size)
+        if job.tp == 1
+        else _tensor_parallel_shards(job, sharding, shard_size, compute_dtype)
+    )
     params, tensors = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shards), len(shards)
     peak_graph = max(estimates.peaks, key=lambda graph: sum(estimates.peaks[graph].values()))
     bytes_per_second = job.machine.group_costs(range(shard_size), compute_dtype).bytes_per_second
     optimizer = _optimizer_seconds(job.machine, shards, params, job.optimizer_states, bytes_per_second)
     exposed = estimates.exposed_communication
     return PlanReport(
-        world_size=job.world_size, hardware=job.machine.name, sharding=sharding, shard_size=shard_size,
-        replicate_size=job.world_size // job.tp // shard_size, options=options, tokens_per_rank=job.tokens // job.tp,
-        memory=MemoryEstimate(parameters=params, optimizer_state=job.optimizer_states * params,
-                              peak_graph=peak_graph, **estimates.peaks[peak_graph]),
-        step=StepEstimate(forward=estimates.forward, backward=estimates.backward, optimizer=optimizer,
-                          outside_graphs=tensors * job.machine.step_tensor_seconds,
-                          compute=estimates.forward + estimates.backward - exposed - estimates.tensor_parallel,
-                          communication=estimates.communication, exposed_communication=exposed,
-                          exposed_waits=_longest_waits(schedule), tensor_parallel=estimates.tensor_parallel),
-        memory_capacity=job.machine.memory_bytes, tp=job.tp,
+        world_size=job.world_size,
+        hardware=job.machine.name,
+        sharding=sharding,
+        shard_size=shard_size,
+        replicate_size=job.world_size // job.tp // shard_size,
+        options=options,
+        tokens_per_rank=job.tokens // job.tp,
+        memory=MemoryEstimate(
+            parameters=params,
+            optimizer_state=job.optimizer_states * params,
+            peak_graph=peak_graph,
+            **estimates.peaks[peak_graph],
+        ),
+        step=StepEstimate(
+            forward=estimates.forward,
+            backward=estimates.backward,
+            optimizer=optimizer,
+            outside_graphs=tensors * job.machine.step_tensor_seconds,
+            compute=estimates.forward + estimates.backward - exposed - estimates.tensor_parallel,
+            communication=estimates.communication,
+            exposed_communication=exposed,
+            exposed_waits=_longest_waits(schedule),
+            tensor_parallel=estimates.tensor_parallel,
+        ),
+        memory_capacity=job.machine.memory_bytes,
+        tp=job.tp,
         extrapolated=None if extrapolation is None else (PLANNED_BLOCKS[1], extrapolation[1], extrapolation[0]),
-        notes=_notes(schedule, CompileOptions.from_dict(options)), schedule=schedule)
+        notes=_notes(schedule, CompileOptions.from_dict(options)),
+        schedule=schedule,
+    )
 
 
 def _notes(schedule: Report, options: CompileOptions) -> list[str]:
     largest = max((bucket["bytes"] for bucket in schedule.buckets), default=0)
     if largest <= options.max_inflight_mb * MiB:
         return []
-    return [f"buckets of up to {largest / MiB:,.0f} MiB exceed max_inflight_mb={options.max_inflight_mb:g}: such a "
-            "bucket's all-gather may only be in flight alone, so it is not prefetched; max_inflight_mb >= "
-            f"{2 * largest / MiB:,.0f} lets it overlap the previous bucket's compute"]
+    return [
+        f"buckets of up to {largest / MiB:,.0f} MiB exceed max_inflight_mb={options.max_inflight_mb:g}: such a "
+        "bucket's all-gather may only be in flight alone, so it is not prefetched; max_inflight_mb >= "
+        f"{2 * largest / MiB:,.0f} lets it overlap the previous bucket's compute"
+    ]
 
 
 def _parameter_dtype(model: nn.Module) -> torch.dtype:
@@ -590,8 +689,13 @@ def _rank0_shards(model: nn.Module, shard_size: int) -> list[tuple[tuple[int, ..
     return [(tuple(ShardLayout(tuple(p.shape), shard_size, rank=0).local_shape), p.dtype) for p in params]
 
 
-def _optimizer_seconds(machine: Hardware | Measured, shards: list[tuple[tuple[int, ...], torch.dtype]],
-                       params: int, states: int, bytes_per_second: float) -> float:
+def _optimizer_seconds(
+    machine: Hardware | Measured,
+    shards: list[tuple[tuple[int, ...], torch.dtype]],
+    params: int,
+    states: int,
+    bytes_per_second: float,
+) -> float:
     """The optimizer step's data-bound seconds over ``shards`` (``params`` bytes): timed by
     a ``Measured`` machine where it can, else one fused AdamW-like pass (read parameter,
     gradient and states; write parameter and states) at ``bytes_per_second``."""
@@ -601,8 +705,9 @@ def _optimizer_seconds(machine: Hardware | Measured, shards: list[tuple[tuple[in
     return (3 + 2 * states) * params / bytes_per_second
 
 
-def _tensor_parallel_shards(job: _Job, sharding: dict, shard_size: int,
-                            compute_dtype: torch.dtype) -> list[tuple[tuple[int, ...], torch.dtype]]:
+def _tensor_parallel_shards(
+    job: _Job, sharding: dict, shard_size: int, compute_dtype: torch.dtype
+) -> list[tuple[tuple[int, ...], torch.dtype]]:
     """(shape, dtype) of rank 0's piece of every parameter of the whole model, tensor
     parallel and sharded (no compile: the pieces are read from the fake copy)."""
     model = _copy_model(job.meta_model, _fake_maker())
@@ -635,8 +740,9 @@ def _fake_maker() -> Callable[[torch.Tensor], torch.Tensor]:
 
 
 @contextlib.contextmanager
-def _fake_world(world_size: int, shard_size: int, machine: Hardware | Measured,
-                compute_dtype: torch.dtype, tp: int = 1) -> Iterator[Any]:
+def _fake_world(
+    world_size: int, shard_size: int, machine: Hardware | Measured, compute_dtype: torch.dtype, tp: int = 1
+) -> Iterator[Any]:
     """A ``"fake"`` default process group of ``world_size`` ranks (this process: rank 0)
     and its mesh (2-D (replicate, shard) when ``shard_size < world_size``; (dp, tp) with
     ``tp`` > 1), whose groups have ``machine``'s constants and collective backend."""
@@ -660,8 +766,9 @@ def _fake_world(world_size: int, shard_size: int, machine: Hardware | Measured,
         dist.destroy_process_group()
 
 
-def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, shard_size: int,
-             compute_dtype: torch.dtype) -> tuple[_Estimates, Report]:
+def _compile(
+    job: _Job, meta_model: nn.Module, sharding: dict, options: dict, shard_size: int, compute_dtype: torch.dtype
+) -> tuple[_Estimates, Report]:
     """The adapter to the backend: compile a fake copy of ``meta_model``, sharded at
     ``job.world_size`` ranks, with ``compshard.inspect``; read the schedule's estimates."""
     fake_like = _fake_maker()
@@ -676,8 +783,9 @@ def _compile(job: _Job, meta_model: nn.Module, sharding: dict, options: dict, sh
             # while its simulated process group exists; outside it would count as none.
             peaks = {name: _peak_breakdown(gm, kinds[name] == "backward") for name, gm in schedule.graphs.items()}
             if "backward" not in kinds.values():
-                raise ValueError("compshard.plan: the model's output does not require grad; plan predicts a "
-                                 "training step")
+                raise ValueError(
+                    "compshard.plan: the model's output does not require grad; plan predicts a training step"
+                )
             _price_with_timings(schedule, job.machine)
             tensor_parallel = _price_tensor_parallel(schedule)
     finally:
@@ -761,15 +869,27 @@ def _peak_breakdown(gm: fx.GraphModule, count_inputs: bool) -> dict[str, int]:
     them, inputs counted when ``count_inputs``: a backward's, but for those the caller
     holds, ``memory_model.mark_held_outside``), summed by what holds them."""
     events = storages(gm.graph, count_inputs=count_inputs)
-    started = {meta.collective: meta.kind for node in events.nodes
-               if (meta := node_meta(node)).kind in COLLECTIVE_KINDS}
-    awaiting_reduction = {root for node in events.nodes if _side(node, started) == "reduce" and _kind(node) == "pack"
-                          for root in (events.roots.get(i) for i in node.all_input_nodes) if root is not None}
+    started = {
+        meta.collective: meta.kind for node in events.nodes if (meta := node_meta(node)).kind in COLLECTIVE_KINDS
+    }
+    awaiting_reduction = {
+        root
+        for node in events.nodes
+        if _side(node, started) == "reduce" and _kind(node) == "pack"
+        for root in (events.roots.get(i) for i in node.all_input_nodes)
+        if root is not None
+    }
     spans = []  # (first index live, last index live, bytes, holder)
     for node in events.nodes:
         if events.roots[node] is node:
-            spans.append((events.order[producer(node)], events.release_index(node), nbytes(node.meta.get("val")),
-                          _holder(node, started, awaiting_reduction)))
+            spans.append(
+                (
+                    events.order[producer(node)],
+                    events.release_index(node),
+                    nbytes(node.meta.get("val")),
+                    _holder(node, started, awaiting_reduction),
+                )
+            )
         scratch = backend_scratch_bytes(node)
         if scratch:
             spans.append((events.order[node], events.order[next(iter(node.users))], scratch, "collective_buffers"))

@@ -63,8 +63,9 @@ def exchange_across_ranks(namespace: str, group_name: str, value: object, what: 
     return sequence, [pickle.loads(store.get(str(r))) for r in range(world_size)]
 
 
-def _wait_for_everyone(store: dist.Store, default_store: dist.Store, group: dist.ProcessGroup, group_name: str,
-                       what: str) -> None:
+def _wait_for_everyone(
+    store: dist.Store, default_store: dist.Store, group: dist.ProcessGroup, group_name: str, what: str
+) -> None:
     """Until every rank of ``group`` has set its key in ``store``, watching the missing ones
     (see the module docstring)."""
     rank, world_size = dist.get_rank(group), dist.get_world_size(group)
@@ -80,7 +81,8 @@ def _wait_for_everyone(store: dist.Store, default_store: dist.Store, group: dist
                 "graph it compiled before and waits for this rank in its collectives. Every rank must compile the "
                 "same graphs: when only some ranks' input shapes or dtypes change (a smaller last batch on some "
                 "ranks), only those ranks recompile: compile with dynamic=True, or mark the varying dimensions with "
-                "torch._dynamo.mark_dynamic, and give every rank inputs of the same dtypes")
+                "torch._dynamo.mark_dynamic, and give every rank inputs of the same dtypes"
+            )
 
     while True:
         missing = [r for r in missing if not store.check([str(r)])]
@@ -93,7 +95,8 @@ def _wait_for_everyone(store: dist.Store, default_store: dist.Store, group: dist
                 f"compshard: rank {rank} compiled {what} that rank(s) {missing} did not compile within "
                 f"{STORE_TIMEOUT}, though they are alive: every rank must compile the same graphs. When only some "
                 "ranks' input shapes change (a smaller last batch on some ranks), only those ranks recompile: compile "
-                "with dynamic=True, or mark the varying dimensions with torch._dynamo.mark_dynamic")
+                "with dynamic=True, or mark the varying dimensions with torch._dynamo.mark_dynamic"
+            )
         time.sleep(pause)
         pause = min(2 * pause, 0.05)
 

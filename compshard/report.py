@@ -42,7 +42,6 @@ __all__ = ["Report", "inspect"]
 _LISTED_KINDS = (*COLLECTIVE_KINDS, "free")  # what report.collectives holds
 
 
-
 class BucketEntry(TypedDict):
     """One bucket of one plan as :attr:`Report.buckets` lists it."""
 
@@ -52,6 +51,7 @@ class BucketEntry(TypedDict):
     bytes: int  # gathered
     keep_gathered: bool
     prefetch: dict[str, int]  # graph name -> across how many all-gathers' uses its all-gather runs
+
 
 class Report:
     """The schedules compshard compiled. ``str(report)`` is a table; see the attributes.
@@ -92,8 +92,12 @@ class Report:
             where ``codegen="auto"`` (the default) chose it from the graph's devices.
     """
 
-    def __init__(self, compiled: list[backend.CompiledGraph], measured_trace: dict | None = None,
-                 config: ShardingConfig | None = None) -> None:
+    def __init__(
+        self,
+        compiled: list[backend.CompiledGraph],
+        measured_trace: dict | None = None,
+        config: ShardingConfig | None = None,
+    ) -> None:
         self.config = config
         self.measured_trace = measured_trace
         latest: dict[int, CompilePlan] = {}  # each compile's plan as of its last graph (dicts keep first-seen order)
@@ -120,20 +124,38 @@ class Report:
             self.codegen[graph_name] = graph.codegen
         self.timelines: dict[str, Timeline] = {kind: simulate(gm.graph) for kind, gm in self.graphs.items()}
         self.recompute: RecomputePlan | None = next((p.recompute for p in self.plans if p.recompute), None)
-        self.pass_seconds = {name(g.kind, i): dict(g.pass_seconds) for i, plan in enumerate(self.plans)
-                             for g in plan.graphs}
+        self.pass_seconds = {
+            name(g.kind, i): dict(g.pass_seconds) for i, plan in enumerate(self.plans) for g in plan.graphs
+        }
         self.buckets: list[BucketEntry] = [
-            {"name": b.name, "plan": i, "params": list(b.params), "bytes": b.nbytes, "keep_gathered": b.keep_gathered,
-             "prefetch": {name(g.kind, i): distances[b.name] for g in plan.graphs if g.prefetch
-                          and b.name in (distances := g.prefetch.as_dict())}}
-            for i, plan in enumerate(self.plans) for b in plan.buckets or ()
+            {
+                "name": b.name,
+                "plan": i,
+                "params": list(b.params),
+                "bytes": b.nbytes,
+                "keep_gathered": b.keep_gathered,
+                "prefetch": {
+                    name(g.kind, i): distances[b.name]
+                    for g in plan.graphs
+                    if g.prefetch and b.name in (distances := g.prefetch.as_dict())
+                },
+            }
+            for i, plan in enumerate(self.plans)
+            for b in plan.buckets or ()
         ]
         self._bucket_of = [{param: b.name for b in plan.buckets or () for param in b.params} for plan in self.plans]
         self.collectives = [
-            {"graph": graph_name, "kind": meta.kind, "unit": meta.unit, "bytes": meta.bytes,
-             "params": list(meta.params), "node": node.name, "op": _op_name(node),
-             "bucket": self._bucket_label(meta, graph_name),
-             "of": meta.freed}
+            {
+                "graph": graph_name,
+                "kind": meta.kind,
+                "unit": meta.unit,
+                "bytes": meta.bytes,
+                "params": list(meta.params),
+                "node": node.name,
+                "op": _op_name(node),
+                "bucket": self._bucket_label(meta, graph_name),
+                "of": meta.freed,
+            }
             for graph_name, gm in self.graphs.items()
             for node in gm.graph.nodes
             if (meta := node_meta(node)).kind in _LISTED_KINDS
@@ -150,8 +172,9 @@ class Report:
     def header(self) -> str:
         """What the report covers: the graphs and the plans they were compiled with."""
         graphs, plans = len(self.graphs), len(self.plans)
-        line = (f"compiled {graphs} graph{'s' * (graphs != 1)} in {plans} plan{'s' * (plans != 1)}: "
-                + ", ".join(self.graphs))
+        line = f"compiled {graphs} graph{'s' * (graphs != 1)} in {plans} plan{'s' * (plans != 1)}: " + ", ".join(
+            self.graphs
+        )
         if plans > 1:
             line += " (one plan per Dynamo graph: graph breaks and recompiles each make one)"
         return line
@@ -173,66 +196,121 @@ class Report:
                     bucket += f" ({_FREED.get(meta.freed, meta.freed)})" if meta.freed else ""
                 last = rows[-1] if rows else None
                 foldable = row_kind in ("compute", "pack", "unpack")
-                if foldable and last and last["graph"] == graph_name and last["kind"] == row_kind \
-                        and last["bucket"] == bucket:
+                if (
+                    foldable
+                    and last
+                    and last["graph"] == graph_name
+                    and last["kind"] == row_kind
+                    and last["bucket"] == bucket
+                ):
                     last["ops"] += 1
                     last["bytes"] += meta.bytes
                     last["seconds"] += meta.seconds or 0.0
                     last["in flight"] = inflight.get(node, 0)
                     last["live after"] = meta.live_bytes or 0
                     continue
-                rows.append({
-                    "graph": graph_name,
-                    "node": node.name,
-                    "kind": row_kind,
-                    "bucket": bucket,
-                    "ops": 1,
-                    "bytes": meta.bytes,
-                    "seconds": meta.seconds or 0.0,
-                    "in flight": inflight.get(node, 0),
-                    "live after": meta.live_bytes or 0,
-                })
+                rows.append(
+                    {
+                        "graph": graph_name,
+                        "node": node.name,
+                        "kind": row_kind,
+                        "bucket": bucket,
+                        "ops": 1,
+                        "bytes": meta.bytes,
+                        "seconds": meta.seconds or 0.0,
+                        "in flight": inflight.get(node, 0),
+                        "live after": meta.live_bytes or 0,
+                    }
+                )
         return rows
 
     def table(self, views: bool = False) -> str:
         """The report as text (``str(report)``); ``views=True`` also lists the nodes that
         only view a tensor."""
         table = [
-            [r["graph"], r["node"] + (f" (+{r['ops'] - 1} ops)" if r["ops"] > 1 else ""), r["kind"], r["bucket"],
-             format_mib(r["bytes"]) if r["bytes"] else "", f"{r['seconds'] * 1e3:.3f}" if r["seconds"] else "",
-             format_mib(r["in flight"]) if r["in flight"] else "", format_mib(r["live after"])]
+            [
+                r["graph"],
+                r["node"] + (f" (+{r['ops'] - 1} ops)" if r["ops"] > 1 else ""),
+                r["kind"],
+                r["bucket"],
+                format_mib(r["bytes"]) if r["bytes"] else "",
+                f"{r['seconds'] * 1e3:.3f}" if r["seconds"] else "",
+                format_mib(r["in flight"]) if r["in flight"] else "",
+                format_mib(r["live after"]),
+            ]
             for r in self.rows(views)
         ]
         headers = ["graph", "node", "kind", "bucket / unit", "bytes", "est ms", "in flight", "live after"]
         several = len(self.plans) > 1
         buckets = [
-            [*([b["plan"]] if several else []), b["name"], len(b["params"]), format_mib(b["bytes"]),
-             "yes" if b["keep_gathered"] else "no", ", ".join(f"{kind} {d}" for kind, d in b["prefetch"].items())]
+            [
+                *([b["plan"]] if several else []),
+                b["name"],
+                len(b["params"]),
+                format_mib(b["bytes"]),
+                "yes" if b["keep_gathered"] else "no",
+                ", ".join(f"{kind} {d}" for kind, d in b["prefetch"].items()),
+            ]
             for b in self.buckets
         ]
-        bucket_headers = [*(["plan"] if several else []), "bucket", "params", "gathered", "kept fw->bw",
-                          "prefetch (gathers ahead)"]
+        bucket_headers = [
+            *(["plan"] if several else []),
+            "bucket",
+            "params",
+            "gathered",
+            "kept fw->bw",
+            "prefetch (gathers ahead)",
+        ]
         summary = [
-            [kind, f"{t.total * 1e3:.3f}", f"{(t.total - t.exposed_comm) * 1e3:.3f}", f"{t.comm * 1e3:.3f}",
-             f"{t.exposed_comm * 1e3:.3f}", format_mib(self.peak_bytes[kind] or 0), self.fingerprints[kind],
-             self.codegen[kind]]
+            [
+                kind,
+                f"{t.total * 1e3:.3f}",
+                f"{(t.total - t.exposed_comm) * 1e3:.3f}",
+                f"{t.comm * 1e3:.3f}",
+                f"{t.exposed_comm * 1e3:.3f}",
+                format_mib(self.peak_bytes[kind] or 0),
+                self.fingerprints[kind],
+                self.codegen[kind],
+            ]
             for kind, t in self.timelines.items()
         ]
-        sharding = [] if self.config is None else [
-            f"sharding: {self.config.strategy}, shard {self.config.shard_size} x replicate "
-            f"{self.config.replicate_size}, param_dtype {self.config.param_dtype}, reduce_dtype "
-            f"{self.config.reduce_dtype}, offload {self.config.offload}"]
-        described = [(i, part.describe()) for i, plan in enumerate(self.plans)
-                     for part in (plan.memory_budget, plan.recompute) if part]
+        sharding = (
+            []
+            if self.config is None
+            else [
+                f"sharding: {self.config.strategy}, shard {self.config.shard_size} x replicate "
+                f"{self.config.replicate_size}, param_dtype {self.config.param_dtype}, reduce_dtype "
+                f"{self.config.reduce_dtype}, offload {self.config.offload}"
+            ]
+        )
+        described = [
+            (i, part.describe())
+            for i, plan in enumerate(self.plans)
+            for part in (plan.memory_budget, plan.recompute)
+            if part
+        ]
         recompute = [f"plan {i}: {text}" if several else text for i, text in described]
-        return "\n\n".join([
-            "\n".join([*sharding, self.header()]),
-            tabulate(table, headers=headers),
-            tabulate(buckets, headers=bucket_headers) if buckets else "no buckets (one rank: nothing to gather)",
-            tabulate(summary, headers=["graph", "est ms", "compute ms", "comm ms", "exposed comm ms", "peak live",
-                                       "fingerprint", "codegen"]),
-            *recompute,
-        ])
+        return "\n\n".join(
+            [
+                "\n".join([*sharding, self.header()]),
+                tabulate(table, headers=headers),
+                tabulate(buckets, headers=bucket_headers) if buckets else "no buckets (one rank: nothing to gather)",
+                tabulate(
+                    summary,
+                    headers=[
+                        "graph",
+                        "est ms",
+                        "compute ms",
+                        "comm ms",
+                        "exposed comm ms",
+                        "peak live",
+                        "fingerprint",
+                        "codegen",
+                    ],
+                ),
+                *recompute,
+            ]
+        )
 
     def __str__(self) -> str:
         return self.table()
@@ -258,8 +336,9 @@ class Report:
             if key not in pids:
                 pids[key] = len(pids) + 1
                 events.append({"ph": "M", "name": "process_name", "pid": pids[key], "args": {"name": name}})
-                events.append({"ph": "M", "name": "process_sort_index", "pid": pids[key],
-                               "args": {"sort_index": pids[key]}})
+                events.append(
+                    {"ph": "M", "name": "process_sort_index", "pid": pids[key], "args": {"sort_index": pids[key]}}
+                )
             return pids[key]
 
         offset = 0.0  # seconds: each graph starts where the previous one ended
@@ -270,22 +349,47 @@ class Report:
             nodes = {node.name: node for node in self.graphs[kind].graph.nodes}
             for span in timeline.spans:
                 group = _program_group(nodes[span.name]) if span.name in nodes else ""
-                events.append({"name": span.name, "cat": "tp collective" if group else span.kind, "ph": "X",
-                               "pid": process, "tid": _STREAMS.index(span.stream) + 1,
-                               "ts": (offset + span.start) * 1e6, "dur": (span.end - span.start) * 1e6,
-                               **({"args": {"group": group}} if group else {})})
+                events.append(
+                    {
+                        "name": span.name,
+                        "cat": "tp collective" if group else span.kind,
+                        "ph": "X",
+                        "pid": process,
+                        "tid": _STREAMS.index(span.stream) + 1,
+                        "ts": (offset + span.start) * 1e6,
+                        "dur": (span.end - span.start) * 1e6,
+                        **({"args": {"group": group}} if group else {}),
+                    }
+                )
             for node, seconds in timeline.time_after.items():
                 ts = (offset + seconds) * 1e6
-                events.append({"name": "estimated live bytes", "ph": "C", "pid": process, "ts": ts,
-                               "args": {"bytes": node_meta(node).live_bytes or 0}})
-                events.append({"name": "bytes in flight", "ph": "C", "pid": process, "ts": ts,
-                               "args": {"bytes": timeline.inflight_after.get(node, 0)}})
+                events.append(
+                    {
+                        "name": "estimated live bytes",
+                        "ph": "C",
+                        "pid": process,
+                        "ts": ts,
+                        "args": {"bytes": node_meta(node).live_bytes or 0},
+                    }
+                )
+                events.append(
+                    {
+                        "name": "bytes in flight",
+                        "ph": "C",
+                        "pid": process,
+                        "ts": ts,
+                        "args": {"bytes": timeline.inflight_after.get(node, 0)},
+                    }
+                )
             offset += timeline.total
         measured = [e for e in (self.measured_trace or {}).get("traceEvents", []) if isinstance(e, dict)]
         timed = [float(e["ts"]) for e in measured if e.get("ph") != "M" and "ts" in e]
         origin = min(timed, default=0.0)
-        names = {e.get("pid"): e.get("args", {}).get("name") for e in measured
-                 if e.get("ph") == "M" and e.get("name") == "process_name"}
+        names = {
+            e.get("pid"): e.get("args", {}).get("name")
+            for e in measured
+            if e.get("ph") == "M" and e.get("name") == "process_name"
+        }
         for event in measured:
             original = event.get("pid")
             name = " ".join(str(part) for part in ("measured", names.get(original), original) if part not in (None, ""))
@@ -331,8 +435,11 @@ def _only_views(node: fx.Node) -> bool:
 
 
 def _backward_target(output: Any) -> torch.Tensor | None:
-    leaves = [t for t in torch.utils._pytree.tree_leaves(output)
-              if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()]
+    leaves = [
+        t
+        for t in torch.utils._pytree.tree_leaves(output)
+        if isinstance(t, torch.Tensor) and t.requires_grad and t.is_floating_point()
+    ]
     return functools.reduce(operator.add, (t.float().sum() for t in leaves)) if leaves else None
 
 
@@ -357,8 +464,7 @@ def _measured_step(compiled: nn.Module, args: tuple, kwargs: dict, profile: bool
             return json.load(file)
 
 
-def inspect(module: nn.Module, *args: Any, options: dict | None = None, profile: bool = False,
-            **kwargs: Any) -> Report:
+def inspect(module: nn.Module, *args: Any, options: dict | None = None, profile: bool = False, **kwargs: Any) -> Report:
     """Compile ``module`` with the compshard backend for these inputs; return the schedule.
 
     Runs one forward (and, when the output requires grad, one backward of the sum of its
@@ -384,7 +490,9 @@ def inspect(module: nn.Module, *args: Any, options: dict | None = None, profile:
         for param, grad in zip(params, saved_grads):
             param.grad = grad
     if not captured:
-        raise RuntimeError("compshard.inspect: nothing was scheduled: the module ran no graph for these inputs that "
-                           "reads a sharded parameter (compshard.shard) or whose options ask for recompute, a "
-                           "memory budget or codegen='inductor'; such graphs run as captured")
+        raise RuntimeError(
+            "compshard.inspect: nothing was scheduled: the module ran no graph for these inputs that "
+            "reads a sharded parameter (compshard.shard) or whose options ask for recompute, a "
+            "memory budget or codegen='inductor'; such graphs run as captured"
+        )
     return Report(captured, measured, getattr(module, "_compshard_config", None))

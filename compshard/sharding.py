@@ -52,8 +52,16 @@ from compshard.grad_sync import GradSync
 from compshard.module_tree import outermost_match, repeated_block, repeated_containers
 from compshard.torch_compat import constant_lookup
 
-__all__ = ["shard", "sharding_config", "ShardingConfig", "ParamSpec", "param_specs", "is_sharded", "plain_class",
-           "STRATEGIES"]
+__all__ = [
+    "shard",
+    "sharding_config",
+    "ShardingConfig",
+    "ParamSpec",
+    "param_specs",
+    "is_sharded",
+    "plain_class",
+    "STRATEGIES",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -106,9 +114,20 @@ class ParamSpec:
     unshard_args: tuple = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "unshard_args", (
-            list(self.full_shape), self.world_size, self.group_name, self.fqn, self.param_dtype, self.reduce_dtype,
-            self.reshard_after_forward, self.replicate_group))
+        object.__setattr__(
+            self,
+            "unshard_args",
+            (
+                list(self.full_shape),
+                self.world_size,
+                self.group_name,
+                self.fqn,
+                self.param_dtype,
+                self.reduce_dtype,
+                self.reshard_after_forward,
+                self.replicate_group,
+            ),
+        )
 
     def layout(self, rank: int) -> ops.ShardLayout:
         return ops.ShardLayout(self.full_shape, self.world_size, rank)
@@ -137,8 +156,11 @@ def _sharded_property(name: str) -> property:
         assert param is not None  # shard registered it
         return param
 
-    return property(get, doc=f"'{name}': in the model's forward gathered to its full shape (compshard::unshard); "
-                             "elsewhere the stored shard Parameter")
+    return property(
+        get,
+        doc=f"'{name}': in the model's forward gathered to its full shape (compshard::unshard); "
+        "elsewhere the stored shard Parameter",
+    )
 
 
 @dataclass
@@ -154,8 +176,7 @@ def _in_forward(module: nn.Module) -> bool:
     unit = getattr(module, "_compshard_unit", None)
     forward = module._compshard_forward
     assert isinstance(forward, _ForwardDepth)  # _install_forward_scopes'
-    return (forward.depth > 0 or (unit is not None and bool(unit[0]._compshard_calls))
-            or eager_gather.recomputing())
+    return forward.depth > 0 or (unit is not None and bool(unit[0]._compshard_calls)) or eager_gather.recomputing()
 
 
 def _enter_forward(forward: _ForwardDepth, module: nn.Module, args: Any) -> None:
@@ -209,8 +230,10 @@ def _gathered(module: nn.Module, name: str) -> torch.Tensor:
     if state.step_gathered is not None:  # compshard.step_gather: gathered once for the step
         gathered = state.step_gathered.get(spec.fqn)
         if gathered is None:
-            raise RuntimeError(f"compshard: parameter '{spec.fqn}' read after reduce_accumulated_gradients "
-                               "released it, ending its step (compshard.step_gather.gathered_for_step)")
+            raise RuntimeError(
+                f"compshard: parameter '{spec.fqn}' read after reduce_accumulated_gradients "
+                "released it, ending its step (compshard.step_gather.gathered_for_step)"
+            )
         return gathered
     param = module._parameters[name]
     assert param is not None  # shard registered it
@@ -266,11 +289,15 @@ def _default_mesh(module: nn.Module) -> DeviceMesh | None:
 def _check_mesh(strategy: str, mesh: Any) -> None:
     if strategy == "hybrid_shard":
         if not isinstance(mesh, DeviceMesh) or mesh.ndim != 2:
-            raise ValueError("compshard.shard: strategy='hybrid_shard' needs mesh=<2-D DeviceMesh> with dimensions "
-                             f"(replicate, shard), got {mesh!r}")
+            raise ValueError(
+                "compshard.shard: strategy='hybrid_shard' needs mesh=<2-D DeviceMesh> with dimensions "
+                f"(replicate, shard), got {mesh!r}"
+            )
     elif mesh is not None and (not isinstance(mesh, DeviceMesh) or mesh.ndim != 1):
-        raise ValueError(f"compshard.shard: mesh must be a 1-D DeviceMesh or None for strategy={strategy!r} "
-                         f"(a 2-D mesh is for 'hybrid_shard'), got {mesh!r}")
+        raise ValueError(
+            f"compshard.shard: mesh must be a 1-D DeviceMesh or None for strategy={strategy!r} "
+            f"(a 2-D mesh is for 'hybrid_shard'), got {mesh!r}"
+        )
 
 
 @dataclass(frozen=True)
@@ -289,8 +316,14 @@ def _groups(strategy: str, mesh: DeviceMesh | None) -> _Groups:
     if mesh is None:
         return _Groups(1, 0, "", 1, "", None)
     if strategy == "hybrid_shard":
-        return _Groups(mesh.size(1), mesh.get_local_rank(1), mesh.get_group(1).group_name,
-                       mesh.size(0), mesh.get_group(0).group_name, (Replicate(), Shard(0)))
+        return _Groups(
+            mesh.size(1),
+            mesh.get_local_rank(1),
+            mesh.get_group(1).group_name,
+            mesh.size(0),
+            mesh.get_group(0).group_name,
+            (Replicate(), Shard(0)),
+        )
     if strategy == "no_shard":
         return _Groups(1, 0, "", mesh.size(), mesh.get_group().group_name, (Replicate(),))
     return _Groups(mesh.size(), mesh.get_local_rank(), mesh.get_group().group_name, 1, "", (Shard(0),))
@@ -301,8 +334,10 @@ def _resolve_reshard(strategy: str, reshard_after_forward: bool | None) -> bool:
         return strategy in ("full_shard", "hybrid_shard")
     _check_flag("reshard_after_forward", reshard_after_forward)
     if strategy == "shard_grad_op" and reshard_after_forward:
-        raise ValueError("compshard.shard: strategy='shard_grad_op' keeps parameters gathered from forward to "
-                         "backward; reshard_after_forward=True contradicts it (use 'full_shard', or leave it None)")
+        raise ValueError(
+            "compshard.shard: strategy='shard_grad_op' keeps parameters gathered from forward to "
+            "backward; reshard_after_forward=True contradicts it (use 'full_shard', or leave it None)"
+        )
     return reshard_after_forward
 
 
@@ -313,12 +348,17 @@ def _offload_device(offload: bool, module: nn.Module, mesh: DeviceMesh | None) -
         return "off", None
     device_types = {p.device.type for p in module.parameters()} | ({mesh.device_type} if mesh is not None else set())
     if device_types <= {"cpu"}:
-        warnings.warn("compshard.shard: offload=True has nothing to offload on a CPU-only run: parameter shards, "
-                      "gradients and optimizer state already live in CPU memory", stacklevel=3)
+        warnings.warn(
+            "compshard.shard: offload=True has nothing to offload on a CPU-only run: parameter shards, "
+            "gradients and optimizer state already live in CPU memory",
+            stacklevel=3,
+        )
         return "nothing_to_offload", None
     if device_types != {"cuda"}:
-        raise ValueError(f"compshard.shard: offload=True supports CUDA parameters (or a CPU-only run), got devices "
-                         f"{sorted(device_types)}")
+        raise ValueError(
+            f"compshard.shard: offload=True supports CUDA parameters (or a CPU-only run), got devices "
+            f"{sorted(device_types)}"
+        )
     return "pinned_cpu", torch.device("cuda", torch.cuda.current_device())
 
 
@@ -432,8 +472,12 @@ def shard(
     if strategy not in STRATEGIES:
         raise ValueError(f"compshard.shard: strategy={strategy!r} is not allowed; use one of {list(STRATEGIES)}")
     reshard_after_forward = _resolve_reshard(strategy, reshard_after_forward)
-    for option, dtype in (("param_dtype", param_dtype), ("reduce_dtype", reduce_dtype),
-                          ("output_dtype", output_dtype), ("buffer_dtype", buffer_dtype)):
+    for option, dtype in (
+        ("param_dtype", param_dtype),
+        ("reduce_dtype", reduce_dtype),
+        ("output_dtype", output_dtype),
+        ("buffer_dtype", buffer_dtype),
+    ):
         _check_dtype(option, dtype)
     _check_flag("cast_forward_inputs", cast_forward_inputs)
     _check_mesh(strategy, mesh)
@@ -495,9 +539,19 @@ def shard(
                 if buffer is not None and torch.is_floating_point(buffer):
                     sub._buffers[name] = buffer.to(buffer_dtype)
     _refuse_stale_optimizers()
-    config = ShardingConfig(strategy, groups.shard_size, groups.replicate_size, reshard_after_forward, param_dtype,
-                            reduce_dtype, output_dtype, cast_forward_inputs, buffer_dtype, offload_state,
-                            gather_units)
+    config = ShardingConfig(
+        strategy,
+        groups.shard_size,
+        groups.replicate_size,
+        reshard_after_forward,
+        param_dtype,
+        reduce_dtype,
+        output_dtype,
+        cast_forward_inputs,
+        buffer_dtype,
+        offload_state,
+        gather_units,
+    )
     module._compshard_config = config  # type: ignore[assignment]  # any value; stubs: Tensor | Module
     module._compshard_grad_sync = grad_sync  # type: ignore[assignment]  # any value; stubs: Tensor | Module
     _install_casts(module, config)
@@ -526,7 +580,9 @@ def _warn_if_compiled_before(module: nn.Module) -> None:
             f"compshard.shard: the model already ran compiled with backend='compshard' before shard (parameters "
             f"{early[:3]}...): steps taken then trained each rank's own replica unsynchronized, and shard now keeps "
             "the first rank's values (broadcast), discarding the other ranks' updates. Call compshard.shard(model) "
-            "before the compiled model's first call", stacklevel=3)
+            "before the compiled model's first call",
+            stacklevel=3,
+        )
 
 
 def _check_initialized(module: nn.Module) -> None:
@@ -538,20 +594,25 @@ def _check_initialized(module: nn.Module) -> None:
             f"compshard.shard: {len(meta)} parameter(s)/buffer(s) are on the meta device ({meta[:4]}): shard keeps "
             "this rank's rows of their values (broadcast from the first rank), so they need values first. Initialize "
             "the model before shard: model.to_empty(device='cpu' or 'cuda') then your initialization (e.g. each "
-            "module's reset_parameters()), or build it on a real device")
+            "module's reset_parameters()), or build it on a real device"
+        )
 
 
 def _check_gather_units(module: nn.Module, gather_units: Sequence[str] | None) -> tuple[str, ...] | None:
     if gather_units is None:
         return None
     if isinstance(gather_units, str) or not all(isinstance(p, str) and p for p in gather_units):
-        raise TypeError(f"compshard.shard: gather_units must be a list of module-name patterns (non-empty strings) "
-                        f"or None, got {gather_units!r}")
+        raise TypeError(
+            f"compshard.shard: gather_units must be a list of module-name patterns (non-empty strings) "
+            f"or None, got {gather_units!r}"
+        )
     names = [name for name, _ in module.named_modules() if name]
     unmatched = [p for p in gather_units if not any(fnmatch.fnmatchcase(name, p) for name in names)]
     if unmatched:
-        raise ValueError(f"compshard.shard: gather_units pattern(s) {unmatched} match no submodule; module names "
-                         f"look like {names[:6]}")
+        raise ValueError(
+            f"compshard.shard: gather_units pattern(s) {unmatched} match no submodule; module names "
+            f"look like {names[:6]}"
+        )
     return tuple(gather_units)
 
 
@@ -594,8 +655,10 @@ def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
     rows of their own model. Tensors of a dtype are flattened into buckets of at most
     256 MiB, one broadcast each, along every mesh dimension in turn. A tensor-parallel
     DTensor broadcasts its local piece (the ranks of a dp group share its tp coordinate)."""
-    tensors = [t._local_tensor if isinstance(t, DTensor) else t
-               for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()]
+    tensors = [
+        t._local_tensor if isinstance(t, DTensor) else t
+        for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+    ]
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
         by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
@@ -609,7 +672,8 @@ def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
             pending: list[torch.Tensor | None] = [*same_kind, None]  # None: the end, flush
             for following in pending:
                 full = following is None or (
-                    sum(t.numel() for t in bucket) * following.element_size() >= _BROADCAST_BUCKET_BYTES)
+                    sum(t.numel() for t in bucket) * following.element_size() >= _BROADCAST_BUCKET_BYTES
+                )
                 if bucket and full:
                     flat = torch.cat([t.detach().reshape(-1) for t in bucket])
                     dist.broadcast(flat, source, group=group)
@@ -648,7 +712,8 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
                 raise RuntimeError(
                     f"compshard: this {type(optimizer).__name__} holds parameter '{name}' as it was before "
                     "compshard.shard replaced it, so stepping it would train nothing. Build the optimizer after "
-                    "compshard.shard(model), from model.parameters()")
+                    "compshard.shard(model), from model.parameters()"
+                )
     _CHECKED.add(optimizer)
 
 
@@ -684,8 +749,13 @@ def move_local_gradients() -> None:
         eager_gather.accumulate_grad(param, grad)
 
 
-def _shard_param(param: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh | None, groups: _Groups,
-                 tp_layout: tensor_parallel.TensorParallelLayout | None) -> nn.Parameter:
+def _shard_param(
+    param: nn.Parameter,
+    spec: ParamSpec,
+    mesh: DeviceMesh | None,
+    groups: _Groups,
+    tp_layout: tensor_parallel.TensorParallelLayout | None,
+) -> nn.Parameter:
     """This rank's rows of ``param`` (of its tensor-parallel piece, for a parameter a
     plan placed: ``tp_layout``) as the parameter at rest."""
     data = param.detach() if tp_layout is None else _local_tensor(param).detach()

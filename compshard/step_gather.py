@@ -130,17 +130,22 @@ def _all_gather(bucket: list[_Shard]) -> list[torch.Tensor]:
     rank = group_rank(group_name)
     layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]
     shard_numels = [layout.padded_shard_numel for layout in layouts]
-    buffer = torch.ops.compshard.all_gather_copy_in([item.rows for item in bucket], shard_numels, first.dtype,
-                                                    world_size, rank)
+    buffer = torch.ops.compshard.all_gather_copy_in(
+        [item.rows for item in bucket], shard_numels, first.dtype, world_size, rank
+    )
     buffer = all_gather_rows(buffer, world_size, group_name)
-    flats = torch.ops.compshard.all_gather_copy_out(buffer, shard_numels, [layout.numel for layout in layouts],
-                                                    world_size, [1] * len(bucket))
+    flats = torch.ops.compshard.all_gather_copy_out(
+        buffer, shard_numels, [layout.numel for layout in layouts], world_size, [1] * len(bucket)
+    )
     return [flat.view(item.spec.full_shape) for flat, item in zip(flats, bucket)]
 
 
-def _as_leaves(items: list[_Shard], full: list[torch.Tensor],
-               params: dict[str, nn.Parameter]) -> dict[str, torch.Tensor]:
+def _as_leaves(
+    items: list[_Shard], full: list[torch.Tensor], params: dict[str, nn.Parameter]
+) -> dict[str, torch.Tensor]:
     """The gathered tensors as autograd leaves that accumulate their parameter's full
     gradient (frozen parameters stay without grad)."""
-    return {item.spec.fqn: tensor.detach().requires_grad_(params[item.spec.fqn].requires_grad)
-            for item, tensor in zip(items, full)}
+    return {
+        item.spec.fqn: tensor.detach().requires_grad_(params[item.spec.fqn].requires_grad)
+        for item, tensor in zip(items, full)
+    }

@@ -48,8 +48,9 @@ class TensorParallelLayout:
     def placed(self, local: torch.Tensor) -> DTensor:
         """``local`` (this rank's tensor-parallel piece, gathered across dp) as the plan's
         DTensor; differentiable, no collective."""
-        return DTensor.from_local(local, self.mesh, self.placements, run_check=False, shape=self.shape,
-                                  stride=self.stride)
+        return DTensor.from_local(
+            local, self.mesh, self.placements, run_check=False, shape=self.shape, stride=self.stride
+        )
 
     @property
     def rows_split(self) -> int:
@@ -61,8 +62,9 @@ class TensorParallelLayout:
         return pieces
 
 
-def layouts(module: nn.Module, dp_mesh: DeviceMesh | None,
-            dp_placements: tuple[Placement, ...] | None) -> dict[int, TensorParallelLayout]:
+def layouts(
+    module: nn.Module, dp_mesh: DeviceMesh | None, dp_placements: tuple[Placement, ...] | None
+) -> dict[int, TensorParallelLayout]:
     """The tensor-parallel layout of each DTensor parameter of ``module``, by the
     parameter's id, checked before ``shard`` changes anything: raises, naming the
     parameter and what to do, for a layout compshard cannot split over the data-parallel
@@ -78,19 +80,25 @@ def layouts(module: nn.Module, dp_mesh: DeviceMesh | None,
 def _layout_of(fqn: str, param: DTensor, dp_mesh: DeviceMesh | None) -> TensorParallelLayout:
     where = f"compshard.shard: parameter '{fqn}' is a DTensor placed {tuple(param.placements)} on {param.device_mesh}"
     if param.device_mesh.ndim != 1:
-        raise ValueError(f"{where}; compshard composes with tensor parallelism on a 1-D mesh (mesh['tp'] of "
-                         "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) only")
+        raise ValueError(
+            f"{where}; compshard composes with tensor parallelism on a 1-D mesh (mesh['tp'] of "
+            "init_device_mesh(..., mesh_dim_names=('dp', 'tp'))) only"
+        )
     if any(placement.is_partial() for placement in param.placements):
-        raise ValueError(f"{where}; a Partial parameter has no value to shard: redistribute it to Replicate() or "
-                         "Shard() before compshard.shard")
+        raise ValueError(
+            f"{where}; a Partial parameter has no value to shard: redistribute it to Replicate() or "
+            "Shard() before compshard.shard"
+        )
     if dp_mesh is None:
-        raise ValueError(f"{where}, but no data-parallel mesh was given: pass mesh=mesh['dp'] of the same "
-                         "init_device_mesh")
+        raise ValueError(
+            f"{where}, but no data-parallel mesh was given: pass mesh=mesh['dp'] of the same init_device_mesh"
+        )
     return TensorParallelLayout(param.device_mesh, tuple(param.placements), param.shape, param.stride())
 
 
-def at_rest(fqn: str, dp_mesh: DeviceMesh | None, dp_placements: tuple[Placement, ...] | None,
-            layout: TensorParallelLayout) -> tuple[DeviceMesh, tuple[Placement, ...]]:
+def at_rest(
+    fqn: str, dp_mesh: DeviceMesh | None, dp_placements: tuple[Placement, ...] | None, layout: TensorParallelLayout
+) -> tuple[DeviceMesh, tuple[Placement, ...]]:
     """The mesh (dp dims, then tp) and placements of parameter ``fqn`` at rest:
     ``dp_placements`` (``Shard(0)`` becomes ``_StridedShard(0)`` where the plan split dim 0
     too) followed by the plan's own."""
@@ -101,8 +109,11 @@ def at_rest(fqn: str, dp_mesh: DeviceMesh | None, dp_placements: tuple[Placement
         raise ValueError(
             f"compshard.shard: parameter '{fqn}' is placed on {layout.mesh}, which does not combine with the "
             f"data-parallel mesh {dp_mesh} ({error}). Build one mesh with init_device_mesh(..., mesh_dim_names="
-            "('dp', 'tp')), apply the tensor-parallel plan on mesh['tp'] and pass mesh=mesh['dp']") from error
+            "('dp', 'tp')), apply the tensor-parallel plan on mesh['tp'] and pass mesh=mesh['dp']"
+        ) from error
     split = layout.rows_split
-    dp = tuple(_StridedShard(0, split_factor=split) if split > 1 and isinstance(p, Shard) and p.dim == 0 else p
-               for p in dp_placements)
+    dp = tuple(
+        _StridedShard(0, split_factor=split) if split > 1 and isinstance(p, Shard) and p.dim == 0 else p
+        for p in dp_placements
+    )
     return mesh, (*dp, *layout.placements)

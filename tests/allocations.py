@@ -3,7 +3,7 @@ the truth the memory estimates are checked against."""
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 from torch._C._profiler import _EventType

@@ -18,7 +18,8 @@ import datetime
 import os
 import tempfile
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -27,8 +28,14 @@ import torch.multiprocessing as mp
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def _entry(rank: int, worker: Callable, world_size: int, out_dir: str, args: tuple,
-           pg_timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT) -> None:
+def _entry(
+    rank: int,
+    worker: Callable,
+    world_size: int,
+    out_dir: str,
+    args: tuple,
+    pg_timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT,
+) -> None:
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = dist.FileStore(os.path.join(out_dir, "store"), world_size)
@@ -40,19 +47,25 @@ def _entry(rank: int, worker: Callable, world_size: int, out_dir: str, args: tup
         dist.destroy_process_group()
 
 
-def run_distributed(worker: Callable, world_size: int, *args: Any, timeout: float = 300,
-                    pg_timeout: float | None = None) -> list[Any]:
+def run_distributed(
+    worker: Callable, world_size: int, *args: Any, timeout: float = 300, pg_timeout: float | None = None
+) -> list[Any]:
     group_timeout = PROCESS_GROUP_TIMEOUT if pg_timeout is None else datetime.timedelta(seconds=pg_timeout)
     with tempfile.TemporaryDirectory() as out_dir:
         context = mp.start_processes(
-            _entry, args=(worker, world_size, out_dir, args, group_timeout), nprocs=world_size, join=False,
+            _entry,
+            args=(worker, world_size, out_dir, args, group_timeout),
+            nprocs=world_size,
+            join=False,
             start_method="spawn",
         )
         deadline = time.monotonic() + timeout
         try:
             while not context.join(timeout=5):
                 if time.monotonic() > deadline:
-                    raise TimeoutError(f"distributed test {worker.__name__} (world size {world_size}) ran past {timeout}s")
+                    raise TimeoutError(
+                        f"distributed test {worker.__name__} (world size {world_size}) ran past {timeout}s"
+                    )
         finally:
             for process in context.processes:
                 if process.is_alive():

@@ -70,7 +70,7 @@ def blocks(path: pathlib.Path) -> list[Block]:
         end = next((i for i in range(index + 1, len(lines)) if lines[i].strip() == "```"), None)
         if end is None:
             raise ValueError(f"{path.relative_to(ROOT)}:{index + 1}: fence never closed")
-        found.append(Block(path, index + 1, opening.group(1), "\n".join(lines[index + 1:end]) + "\n"))
+        found.append(Block(path, index + 1, opening.group(1), "\n".join(lines[index + 1 : end]) + "\n"))
         index = end + 1
     return found
 
@@ -88,7 +88,9 @@ def run(block: Block, folder: pathlib.Path, processes: int = 1) -> subprocess.Co
     ``processes`` processes."""
     script = folder / "example.py"
     script.write_text(("import tests.real_models  # noqa: F401\n" if "transformers" in block.code else "") + block.code)
-    launcher = [sys.executable] if processes == 1 else \
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
-    return subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=300, cwd=folder,
-                          env=env())
+    launcher = (
+        [sys.executable]
+        if processes == 1
+        else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
+    )
+    return subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=300, cwd=folder, env=env())

@@ -18,8 +18,8 @@ import importlib.machinery
 import importlib.util
 import sys
 import types
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -51,6 +51,7 @@ def ensure_torchvision_importable() -> str:
         return "absent"
     try:
         import torchvision  # noqa: F401
+
         return "native"
     except Exception:  # noqa: BLE001 - any failure of the compiled part: fall back to the shim
         for name in [n for n in sys.modules if n == "torchvision" or n.startswith("torchvision.")]:
@@ -174,9 +175,17 @@ def _quiet_transformers() -> None:
 
 
 def _decoder_kwargs() -> dict:
-    return dict(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                attention_dropout=0.0, use_cache=False)
+    return dict(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        attention_dropout=0.0,
+        use_cache=False,
+    )
 
 
 def _causal(model_cls, config, rows: int, tokens: torch.Tensor | None = None):
@@ -200,8 +209,17 @@ def build_gpt2(rows: int = BATCH):
     from transformers import GPT2Config, GPT2LMHeadModel
 
     _quiet_transformers()
-    config = GPT2Config(vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=2, n_head=4, resid_pdrop=0.0,
-                        embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False)  # lm_head tied to wte
+    config = GPT2Config(
+        vocab_size=VOCAB,
+        n_positions=64,
+        n_embd=32,
+        n_layer=2,
+        n_head=4,
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        use_cache=False,
+    )  # lm_head tied to wte
     return _causal(GPT2LMHeadModel, config, rows)
 
 
@@ -229,8 +247,9 @@ def build_gemma2(rows: int = BATCH):
     _quiet_transformers()
     # attention and final logit soft-capping (tanh), a sliding-window layer beside a global
     # one, RMSNorm before and after each sub-layer, embeddings scaled by sqrt(width)
-    config = Gemma2Config(**_decoder_kwargs(), head_dim=8, sliding_window=8, attn_logit_softcapping=50.0,
-                          final_logit_softcapping=30.0)
+    config = Gemma2Config(
+        **_decoder_kwargs(), head_dim=8, sliding_window=8, attn_logit_softcapping=50.0, final_logit_softcapping=30.0
+    )
     return _causal(Gemma2ForCausalLM, config, rows)
 
 
@@ -247,9 +266,19 @@ def build_gpt_neox(rows: int = BATCH):
 
     _quiet_transformers()
     # attention and MLP in parallel off one residual; rotary on a quarter of each head
-    config = GPTNeoXConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                           num_attention_heads=4, max_position_embeddings=64, rotary_pct=0.25,
-                           use_parallel_residual=True, attention_dropout=0.0, hidden_dropout=0.0, use_cache=False)
+    config = GPTNeoXConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        max_position_embeddings=64,
+        rotary_pct=0.25,
+        use_parallel_residual=True,
+        attention_dropout=0.0,
+        hidden_dropout=0.0,
+        use_cache=False,
+    )
     return _causal(GPTNeoXForCausalLM, config, rows)
 
 
@@ -259,8 +288,7 @@ def build_olmo_clip_qkv(rows: int = BATCH, clip_qkv: float | None = 0.5):
     _quiet_transformers()
     # init std 0.2 makes q/k/v exceed the clip often (asserted by the test), so the in-place
     # clamp_ changes the result
-    return _causal(OlmoForCausalLM, OlmoConfig(**_decoder_kwargs(), clip_qkv=clip_qkv, initializer_range=0.2),
-                   rows)
+    return _causal(OlmoForCausalLM, OlmoConfig(**_decoder_kwargs(), clip_qkv=clip_qkv, initializer_range=0.2), rows)
 
 
 def build_deepseek_v3_mla(rows: int = BATCH):
@@ -270,9 +298,21 @@ def build_deepseek_v3_mla(rows: int = BATCH):
     kwargs = _decoder_kwargs() | dict(num_key_value_heads=4)
     # every layer dense (first_k_dense_replace = layers): this entry is about MLA attention,
     # whose key states are a new_empty tensor filled by two slice copy_s
-    config = DeepseekV3Config(**kwargs, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
-                              v_head_dim=8, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
-                              moe_intermediate_size=16, n_group=1, topk_group=1, num_mtp_layers=0)
+    config = DeepseekV3Config(
+        **kwargs,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=8,
+        first_k_dense_replace=2,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        n_group=1,
+        topk_group=1,
+        num_mtp_layers=0,
+    )
     return _causal(DeepseekV3ForCausalLM, config, rows)
 
 
@@ -282,8 +322,12 @@ def build_mixtral_eager_experts(rows: int = BATCH):
     _quiet_transformers()
     # "eager": MixtralExperts.forward loops over the experts hit by this batch's tokens
     # (torch.nonzero of the routing mask), so the loop depends on each rank's data
-    config = MixtralConfig(**_decoder_kwargs() | dict(intermediate_size=32), num_local_experts=4,
-                           num_experts_per_tok=2, experts_implementation="eager")
+    config = MixtralConfig(
+        **_decoder_kwargs() | dict(intermediate_size=32),
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        experts_implementation="eager",
+    )
     model, batch = _causal(MixtralForCausalLM, config, rows, routing_tokens(rows))
     assert model.model.config._experts_implementation == "eager"
     return model, batch
@@ -294,8 +338,14 @@ def build_qwen2_moe(rows: int = BATCH):
 
     _quiet_transformers()
     # the default experts implementation (batched over all experts, routing as data)
-    config = Qwen2MoeConfig(**_decoder_kwargs(), num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-                            shared_expert_intermediate_size=32, decoder_sparse_step=1)
+    config = Qwen2MoeConfig(
+        **_decoder_kwargs(),
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        decoder_sparse_step=1,
+    )
     return _causal(Qwen2MoeForCausalLM, config, rows, routing_tokens(rows))
 
 
@@ -303,9 +353,16 @@ def build_bert(rows: int = BATCH):
     from transformers import BertConfig, BertForMaskedLM
 
     _quiet_transformers()
-    config = BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
-                        intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
-                        attention_probs_dropout_prob=0.0)
+    config = BertConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        intermediate_size=64,
+        max_position_embeddings=64,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     model = LabelledLM(BertForMaskedLM(config))
     model.train()
@@ -317,8 +374,19 @@ def build_t5(rows: int = BATCH):
     from transformers import T5Config, T5ForConditionalGeneration
 
     _quiet_transformers()
-    config = T5Config(vocab_size=VOCAB, d_model=32, d_kv=8, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=4,
-                      dropout_rate=0.0, decoder_start_token_id=0, pad_token_id=0, use_cache=False)
+    config = T5Config(
+        vocab_size=VOCAB,
+        d_model=32,
+        d_kv=8,
+        d_ff=64,
+        num_layers=2,
+        num_decoder_layers=2,
+        num_heads=4,
+        dropout_rate=0.0,
+        decoder_start_token_id=0,
+        pad_token_id=0,
+        use_cache=False,
+    )
     torch.manual_seed(0)
     model = LabelledLM(T5ForConditionalGeneration(config))
     model.train()
@@ -345,8 +413,9 @@ def build_torchvision_vit(rows: int = BATCH):
     from torchvision.models.vision_transformer import VisionTransformer
 
     torch.manual_seed(0)
-    model = VisionTransformer(image_size=IMAGE, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64,
-                              num_classes=10)
+    model = VisionTransformer(
+        image_size=IMAGE, patch_size=8, num_layers=2, num_heads=4, hidden_dim=32, mlp_dim=64, num_classes=10
+    )
     return Classifier(model), _images(rows)
 
 
@@ -354,8 +423,16 @@ def build_timm_vit(rows: int = BATCH):
     import timm
 
     torch.manual_seed(0)
-    model = timm.create_model("vit_tiny_patch16_224", pretrained=False, img_size=IMAGE, patch_size=8, embed_dim=32,
-                              depth=2, num_heads=4, num_classes=10)
+    model = timm.create_model(
+        "vit_tiny_patch16_224",
+        pretrained=False,
+        img_size=IMAGE,
+        patch_size=8,
+        embed_dim=32,
+        depth=2,
+        num_heads=4,
+        num_classes=10,
+    )
     return Classifier(model), _images(rows)
 
 
@@ -396,34 +473,62 @@ class RealModel:
     known_issue: str = ""
 
 
-ZOO: dict[str, RealModel] = {m.name: m for m in (
-    RealModel("gpt2", build_gpt2, "decoder LM (tied head, Conv1D)"),
-    RealModel("llama", build_llama, "decoder LM (RoPE, GQA, RMSNorm)"),
-    RealModel("qwen2", build_qwen2, "decoder LM (qkv bias)"),
-    RealModel("llama-grad-ckpt", lambda rows=BATCH: build_llama(rows, gradient_checkpointing=True),
-              "decoder LM, HF gradient checkpointing"),
-    RealModel("gemma2", build_gemma2, "decoder LM (soft-capping, sliding window, sandwich norms)"),
-    RealModel("phi3", build_phi3, "decoder LM (fused qkv and gate_up projections)"),
-    RealModel("gpt-neox", build_gpt_neox, "decoder LM (parallel residual, partial rotary)"),
-    RealModel("olmo-clip-qkv", build_olmo_clip_qkv, "decoder LM, clip_qkv",
-              known_issue="in-place clamp_ on q/k/v whose results are unused"),
-    RealModel("deepseek-v3-mla", build_deepseek_v3_mla, "decoder LM, MLA attention",
-              known_issue="key states: new_empty filled by slice copy_"),
-    RealModel("bert", build_bert, "MLM encoder"),
-    RealModel("t5", build_t5, "encoder-decoder (tied, relative position bias)"),
-    RealModel("mixtral-eager-experts", build_mixtral_eager_experts, "MoE, loop over routed experts",
-              known_issue="data-dependent loop (nonzero) over experts: graph break, per-rank control flow"),
-    RealModel("qwen2-moe", build_qwen2_moe, "MoE, default experts (routing as data), shared expert"),
-    RealModel("torchvision-resnet18", build_torchvision_resnet18, "CNN with BatchNorm", batch_norm=True),
-    RealModel("timm-resnet", build_timm_resnet, "CNN with BatchNorm (timm, tiny channels)", batch_norm=True),
-    RealModel("torchvision-vit", build_torchvision_vit, "ViT (torchvision)"),
-    RealModel("timm-vit", build_timm_vit, "ViT (timm)"),
-    RealModel("inplace-mul", build_inplace, "minimal in-place module", reduction="sum",
-              known_issue="h.mul_(2) whose result is unused"),
-    RealModel("conv-bn", build_conv_bn, "BatchNorm buffers", batch_norm=True,
-              known_issue="num_batches_tracked.add_(1) on a buffer"),
-    RealModel("repo-gpt", build_repo_gpt, "compshard.models.GPT"),
-)}
+ZOO: dict[str, RealModel] = {
+    m.name: m
+    for m in (
+        RealModel("gpt2", build_gpt2, "decoder LM (tied head, Conv1D)"),
+        RealModel("llama", build_llama, "decoder LM (RoPE, GQA, RMSNorm)"),
+        RealModel("qwen2", build_qwen2, "decoder LM (qkv bias)"),
+        RealModel(
+            "llama-grad-ckpt",
+            lambda rows=BATCH: build_llama(rows, gradient_checkpointing=True),
+            "decoder LM, HF gradient checkpointing",
+        ),
+        RealModel("gemma2", build_gemma2, "decoder LM (soft-capping, sliding window, sandwich norms)"),
+        RealModel("phi3", build_phi3, "decoder LM (fused qkv and gate_up projections)"),
+        RealModel("gpt-neox", build_gpt_neox, "decoder LM (parallel residual, partial rotary)"),
+        RealModel(
+            "olmo-clip-qkv",
+            build_olmo_clip_qkv,
+            "decoder LM, clip_qkv",
+            known_issue="in-place clamp_ on q/k/v whose results are unused",
+        ),
+        RealModel(
+            "deepseek-v3-mla",
+            build_deepseek_v3_mla,
+            "decoder LM, MLA attention",
+            known_issue="key states: new_empty filled by slice copy_",
+        ),
+        RealModel("bert", build_bert, "MLM encoder"),
+        RealModel("t5", build_t5, "encoder-decoder (tied, relative position bias)"),
+        RealModel(
+            "mixtral-eager-experts",
+            build_mixtral_eager_experts,
+            "MoE, loop over routed experts",
+            known_issue="data-dependent loop (nonzero) over experts: graph break, per-rank control flow",
+        ),
+        RealModel("qwen2-moe", build_qwen2_moe, "MoE, default experts (routing as data), shared expert"),
+        RealModel("torchvision-resnet18", build_torchvision_resnet18, "CNN with BatchNorm", batch_norm=True),
+        RealModel("timm-resnet", build_timm_resnet, "CNN with BatchNorm (timm, tiny channels)", batch_norm=True),
+        RealModel("torchvision-vit", build_torchvision_vit, "ViT (torchvision)"),
+        RealModel("timm-vit", build_timm_vit, "ViT (timm)"),
+        RealModel(
+            "inplace-mul",
+            build_inplace,
+            "minimal in-place module",
+            reduction="sum",
+            known_issue="h.mul_(2) whose result is unused",
+        ),
+        RealModel(
+            "conv-bn",
+            build_conv_bn,
+            "BatchNorm buffers",
+            batch_norm=True,
+            known_issue="num_batches_tracked.add_(1) on a buffer",
+        ),
+        RealModel("repo-gpt", build_repo_gpt, "compshard.models.GPT"),
+    )
+}
 
 
 # ------------------------------------------------------- parameters gathered during a backward
@@ -519,12 +624,28 @@ def build_llama_reentrant_checkpointing(rows: int = BATCH):
     return model, batch
 
 
-ZOO.update({m.name: m for m in (
-    RealModel("reentrant-checkpoint-mlp", build_reentrant_checkpoint_mlp, "torch checkpoint(use_reentrant=True)",
-              known_issue="parameters gathered again by the recompute inside the backward"),
-    RealModel("llama-reentrant-ckpt", build_llama_reentrant_checkpointing,
-              "decoder LM, HF gradient checkpointing (use_reentrant=True)",
-              known_issue="every layer's parameters gathered inside the backward"),
-    RealModel("revnet", build_revnet, "reversible blocks (RevNet coupling)",
-              known_issue="inputs reconstructed and parameters read again in the backward"),
-)})
+ZOO.update(
+    {
+        m.name: m
+        for m in (
+            RealModel(
+                "reentrant-checkpoint-mlp",
+                build_reentrant_checkpoint_mlp,
+                "torch checkpoint(use_reentrant=True)",
+                known_issue="parameters gathered again by the recompute inside the backward",
+            ),
+            RealModel(
+                "llama-reentrant-ckpt",
+                build_llama_reentrant_checkpointing,
+                "decoder LM, HF gradient checkpointing (use_reentrant=True)",
+                known_issue="every layer's parameters gathered inside the backward",
+            ),
+            RealModel(
+                "revnet",
+                build_revnet,
+                "reversible blocks (RevNet coupling)",
+                known_issue="inputs reconstructed and parameters read again in the backward",
+            ),
+        )
+    }
+)

@@ -169,9 +169,11 @@ def test_bucket_plan_follows_blocks_patterns_sizes_and_budget():
         return [(b.name, b.params, b.keep_gathered) for b in buckets]
 
     # parameters outside the blocks are pooled into one bucket wherever they are used
-    assert plan() == [("rest.0", ("wte.weight", "wpe.weight", "ln_f.weight"), False),
-                      ("blocks.0", ("blocks.0.ln.weight", "blocks.0.fc.weight"), False),
-                      ("blocks.1", ("blocks.1.ln.weight", "blocks.1.fc.weight"), False)]
+    assert plan() == [
+        ("rest.0", ("wte.weight", "wpe.weight", "ln_f.weight"), False),
+        ("blocks.0", ("blocks.0.ln.weight", "blocks.0.fc.weight"), False),
+        ("blocks.1", ("blocks.1.ln.weight", "blocks.1.fc.weight"), False),
+    ]
     # the bucket used last in forward stays gathered into backward
     assert [keep for _, _, keep in plan("ln_f.weight")] == [True, False, False]
     assert [keep for _, _, keep in plan("blocks.1.fc.weight")] == [False, False, True]
@@ -180,7 +182,11 @@ def test_bucket_plan_follows_blocks_patterns_sizes_and_budget():
     assert len(plan(buckets="none")) == len(names)
     assert [len(p) for _, p, _ in plan(buckets=250 / 2**20)] == [2, 2, 2, 1]  # 250 bytes: two 100-byte params each
     assert [(name, len(p)) for name, p, _ in plan(buckets=["blocks.*.fc", "wte"])] == [
-        ("wte", 1), ("rest.0", 4), ("blocks.0.fc", 1), ("blocks.1.fc", 1)]
+        ("wte", 1),
+        ("rest.0", 4),
+        ("blocks.0.fc", 1),
+        ("blocks.1.fc", 1),
+    ]
     # a budget of 200 bytes keeps exactly one of the smallest buckets (the first by name)
     assert smallest_within(plan_buckets(params, compshard.CompileOptions()), 200) == {"blocks.0"}
     # a block holding two gather dtypes becomes one bucket per dtype: collectives never mix keys

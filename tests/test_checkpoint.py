@@ -80,14 +80,16 @@ def save_worker(rank: int, world_size: int, root: str) -> dict:
         sharded = compshard.shard(copy.deepcopy(model))
         _, optimizer = train_sharded(sharded, batch, rank, world_size, steps=BEFORE)
         results[name, "gathers in save"] = _unshard_calls(
-            lambda: checkpoint.save(_folder(root, "compshard", name), sharded, optimizer))
+            lambda: checkpoint.save(_folder(root, "compshard", name), sharded, optimizer)
+        )
         results[name, "full"] = checkpoint.get_full_state_dict(sharded, optimizer)
 
         resumed, resumed_optimizer = _fresh_compshard(name)
         full = results[name, "full"] if rank == 0 else None
         checkpoint.set_full_state_dict(resumed, full, resumed_optimizer, from_rank0=True)
         results[name, "compshard <- full from rank 0"] = _resume(
-            resumed, resumed_optimizer, name, rank, world_size, compiled=False)
+            resumed, resumed_optimizer, name, rank, world_size, compiled=False
+        )
         if name not in FSDP2_MODELS:
             continue
 
@@ -115,9 +117,11 @@ def resume_worker(rank: int, world_size: int, root: str, full_states: dict) -> d
         for writer in ("compshard", "fsdp2") if name in FSDP2_MODELS else ("compshard",):
             resumed, resumed_optimizer = _fresh_compshard(name)
             results[name, f"gathers in load from {writer}"] = _unshard_calls(
-                lambda: checkpoint.load(_folder(root, writer, name), resumed, resumed_optimizer))
+                lambda: checkpoint.load(_folder(root, writer, name), resumed, resumed_optimizer)
+            )
             results[name, f"compshard <- {writer}"] = _resume(
-                resumed, resumed_optimizer, name, rank, world_size, compiled=writer == "compshard")
+                resumed, resumed_optimizer, name, rank, world_size, compiled=writer == "compshard"
+            )
         resumed, resumed_optimizer = _fresh_compshard(name)
         checkpoint.set_full_state_dict(resumed, full_states[name], resumed_optimizer)
         results[name, "compshard <- full"] = _resume(resumed, resumed_optimizer, name, rank, world_size, compiled=False)
@@ -133,10 +137,12 @@ def references() -> dict:
         model, batch = make_model(name)
         optimizer = adamw(model)
         train_reference(model, batch, BEFORE, optimizer=optimizer)
-        saved = copy.deepcopy({
-            "model": model.state_dict(),
-            "optimizer": get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)),
-        })
+        saved = copy.deepcopy(
+            {
+                "model": model.state_dict(),
+                "optimizer": get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True)),
+            }
+        )
         losses = train_reference(model, batch, AFTER, optimizer=optimizer)
         results[name] = {"saved": saved, "losses": losses, "params": model.state_dict()}
     return results
@@ -238,7 +244,8 @@ def test_resume_in_one_process(saved, root, references, name, writer):
     checkpoint.load(_folder(root, writer, name), model, optimizer)
     _assert_state_matches(checkpoint.get_full_state_dict(model, optimizer), references[name]["saved"])
     _assert_matches_uninterrupted(
-        _resume(model, optimizer, name, 0, 1, compiled=writer == "compshard"), references[name], writer)
+        _resume(model, optimizer, name, 0, 1, compiled=writer == "compshard"), references[name], writer
+    )
 
 
 def test_full_state_dict_round_trip_in_one_process(saved, references):
@@ -257,26 +264,59 @@ def test_full_state_dict_round_trip_in_one_process(saved, references):
 @pytest.mark.parametrize(
     "call, error, message",
     [
-        (lambda m, o: checkpoint.save("", m, o), TypeError,
-         "save: path must be a non-empty str or os.PathLike, got ''"),
+        (
+            lambda m, o: checkpoint.save("", m, o),
+            TypeError,
+            "save: path must be a non-empty str or os.PathLike, got ''",
+        ),
         (lambda m, o: checkpoint.load(3, m, o), TypeError, "load: path must be a non-empty str or os.PathLike, got 3"),
-        (lambda m, o: checkpoint.save("x", m.state_dict(), o), TypeError,
-         "save: module must be an nn.Module, got OrderedDict"),
-        (lambda m, o: checkpoint.load("x", m, o.state_dict()), TypeError,
-         "load: optimizer must be a torch.optim.Optimizer or None, got dict"),
-        (lambda m, o: checkpoint.save("x", make_model("mlp")[0], o), ValueError,
-         "save: optimizer holds parameters that are not module's"),
-        (lambda m, o: checkpoint.get_full_state_dict(m, o, rank0_only=0), TypeError,
-         "get_full_state_dict: rank0_only must be True or False, got 0"),
-        (lambda m, o: checkpoint.set_full_state_dict(m, {}, o, from_rank0="yes"), TypeError,
-         "set_full_state_dict: from_rank0 must be True or False, got 'yes'"),
-        (lambda m, o: checkpoint.set_full_state_dict(m, {"model": {}}, o), ValueError,
-         r"set_full_state_dict: state_dict must be a mapping with keys \['model', 'optimizer'\]"),
-        (lambda m, o: checkpoint.set_full_state_dict(m, None, o), ValueError,
-         r"state_dict must be a mapping .*, got NoneType"),
+        (
+            lambda m, o: checkpoint.save("x", m.state_dict(), o),
+            TypeError,
+            "save: module must be an nn.Module, got OrderedDict",
+        ),
+        (
+            lambda m, o: checkpoint.load("x", m, o.state_dict()),
+            TypeError,
+            "load: optimizer must be a torch.optim.Optimizer or None, got dict",
+        ),
+        (
+            lambda m, o: checkpoint.save("x", make_model("mlp")[0], o),
+            ValueError,
+            "save: optimizer holds parameters that are not module's",
+        ),
+        (
+            lambda m, o: checkpoint.get_full_state_dict(m, o, rank0_only=0),
+            TypeError,
+            "get_full_state_dict: rank0_only must be True or False, got 0",
+        ),
+        (
+            lambda m, o: checkpoint.set_full_state_dict(m, {}, o, from_rank0="yes"),
+            TypeError,
+            "set_full_state_dict: from_rank0 must be True or False, got 'yes'",
+        ),
+        (
+            lambda m, o: checkpoint.set_full_state_dict(m, {"model": {}}, o),
+            ValueError,
+            r"set_full_state_dict: state_dict must be a mapping with keys \['model', 'optimizer'\]",
+        ),
+        (
+            lambda m, o: checkpoint.set_full_state_dict(m, None, o),
+            ValueError,
+            r"state_dict must be a mapping .*, got NoneType",
+        ),
     ],
-    ids=["empty path", "path not str", "module not Module", "optimizer not Optimizer", "foreign optimizer",
-         "rank0_only", "from_rank0", "state_dict keys", "state_dict None"],
+    ids=[
+        "empty path",
+        "path not str",
+        "module not Module",
+        "optimizer not Optimizer",
+        "foreign optimizer",
+        "rank0_only",
+        "from_rank0",
+        "state_dict keys",
+        "state_dict None",
+    ],
 )
 def test_bad_arguments(call, error, message):
     model, optimizer = _fresh_compshard("mlp")
@@ -315,8 +355,11 @@ def _damage_data_file(path: str) -> str:
     [
         (lambda path: os.remove(os.path.join(path, ".metadata")), r"is not a complete checkpoint: its \.metadata"),
         (_damage_data_file, r"is incomplete: __0_0\.distcp has \d+ of its \d+ bytes"),
-        (lambda path: os.rename(path, path + ".replaced-1"), r"stopped between its two renames; the previous "
-                                                             r"checkpoint, whole, is .*ckpt\.replaced-1"),
+        (
+            lambda path: os.rename(path, path + ".replaced-1"),
+            r"stopped between its two renames; the previous "
+            r"checkpoint, whole, is .*ckpt\.replaced-1",
+        ),
         (lambda path: os.rename(path, path + ".saving-1"), r"no checkpoint at .*ckpt \(only the unfinished save"),
     ],
     ids=["no metadata", "data file cut short", "interrupted commit", "unfinished save"],

@@ -11,7 +11,15 @@ import sys
 import pytest
 
 BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
-SCRIPTS = ["demo.py", "bench_step.py", "bench_tp.py", "bench_recompute.py", "bench_kernels.py", "bench_plan.py", "profile_step.py"]
+SCRIPTS = [
+    "demo.py",
+    "bench_step.py",
+    "bench_tp.py",
+    "bench_recompute.py",
+    "bench_kernels.py",
+    "bench_plan.py",
+    "profile_step.py",
+]
 
 # Runs the script as __main__ with --help and reports whether torch got imported.
 PROBE = """
@@ -29,8 +37,12 @@ print("torch imported:", "torch" in sys.modules)
 @pytest.mark.parametrize("script", SCRIPTS)
 def test_help_is_fast_and_shows_defaults(script):
     path = str(BENCHMARKS / script)
-    done = subprocess.run([sys.executable, "-c", PROBE.format(script=path, folder=str(BENCHMARKS))],
-                          capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-c", PROBE.format(script=path, folder=str(BENCHMARKS))],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 0, done.stderr
     assert "exit 0" in done.stdout
     assert "torch imported: False" in done.stdout
@@ -38,16 +50,27 @@ def test_help_is_fast_and_shows_defaults(script):
 
 
 def run_bench_step(*args: str, tmp_path: pathlib.Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCHMARKS / "bench_step.py"), *args, "--out", str(tmp_path / "step.json")],
-                          capture_output=True, text=True, timeout=300, cwd=BENCHMARKS,
-                          env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")})
+    return subprocess.run(
+        [sys.executable, str(BENCHMARKS / "bench_step.py"), *args, "--out", str(tmp_path / "step.json")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCHMARKS,
+        env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")},
+    )
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--fake-world", "1"], "--fake-world must be at least 2"),
-    (["--fake-world", "4", "--systems", "compshard,ddp"], "leave ddp out"),
-    (["--fake-world", "3", "--batch", "8", "--systems", "compshard"], "--batch 8 must be a multiple of --fake-world 3"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--fake-world", "1"], "--fake-world must be at least 2"),
+        (["--fake-world", "4", "--systems", "compshard,ddp"], "leave ddp out"),
+        (
+            ["--fake-world", "3", "--batch", "8", "--systems", "compshard"],
+            "--batch 8 must be a multiple of --fake-world 3",
+        ),
+    ],
+)
 def test_fake_world_rejects_what_it_cannot_run(args, message, tmp_path):
     done = run_bench_step(*args, tmp_path=tmp_path)
     assert done.returncode == 2 and message in done.stderr, done.stderr
@@ -56,9 +79,29 @@ def test_fake_world_rejects_what_it_cannot_run(args, message, tmp_path):
 def test_fake_world_step_runs_as_rank_0_of_n(tmp_path):
     """One process under the fake process group: compshard's step at world size 4 (its
     collectives derived, none replayed) beside the compute-only step."""
-    done = run_bench_step("--fake-world", "4", "--batch", "4", "--steps", "1", "--warmup", "1", "--systems", "compshard",
-                          "--layers", "1", "--width", "32", "--heads", "2", "--seq", "16", "--vocab", "64",
-                          tmp_path=tmp_path)
+    done = run_bench_step(
+        "--fake-world",
+        "4",
+        "--batch",
+        "4",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--systems",
+        "compshard",
+        "--layers",
+        "1",
+        "--width",
+        "32",
+        "--heads",
+        "2",
+        "--seq",
+        "16",
+        "--vocab",
+        "64",
+        tmp_path=tmp_path,
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "step.json").read_text())
     assert record["world_size"] == 4 and record["config"]["fake_world"] == 4
@@ -88,15 +131,43 @@ def test_bf16_llama_step_at_fake_world_with_mfu(tmp_path):
     """--model llama builds transformers' Llama from harness.LlamaShape; --dtype bf16 gathers
     in bf16 (FSDP2's derived all-gathers carry half the bytes of its fp32 reduce-scatters)
     and --peak-tflops gives every row an MFU."""
-    shape = '{"n_layer": 2, "n_embd": 32, "n_head": 4, "n_kv_head": 2, "intermediate": 64, "vocab_size": 64, ' \
-            '"block_size": 16}'
-    args = ["--fake-world", "2", "--batch", "2", "--steps", "1", "--warmup", "1", "--systems", "compshard,fsdp2",
-            "--model", "llama", "--llama-shape", shape, "--dtype", "bf16", "--peak-tflops", "1",
-            "--out", str(tmp_path / "step.json")]
-    probe = LLAMA_PROBE.format(root=str(BENCHMARKS.parent), folder=str(BENCHMARKS), args=args,
-                               script=str(BENCHMARKS / "bench_step.py"))
-    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, timeout=300, cwd=BENCHMARKS,
-                          env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")})
+    shape = (
+        '{"n_layer": 2, "n_embd": 32, "n_head": 4, "n_kv_head": 2, "intermediate": 64, "vocab_size": 64, '
+        '"block_size": 16}'
+    )
+    args = [
+        "--fake-world",
+        "2",
+        "--batch",
+        "2",
+        "--steps",
+        "1",
+        "--warmup",
+        "1",
+        "--systems",
+        "compshard,fsdp2",
+        "--model",
+        "llama",
+        "--llama-shape",
+        shape,
+        "--dtype",
+        "bf16",
+        "--peak-tflops",
+        "1",
+        "--out",
+        str(tmp_path / "step.json"),
+    ]
+    probe = LLAMA_PROBE.format(
+        root=str(BENCHMARKS.parent), folder=str(BENCHMARKS), args=args, script=str(BENCHMARKS / "bench_step.py")
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=BENCHMARKS,
+        env={k: v for k, v in os.environ.items() if k not in ("WORLD_SIZE", "RANK", "LOCAL_RANK")},
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     record = json.loads((tmp_path / "step.json").read_text())
     assert record["dtype"] == "bf16" and record["config"]["model"] == "llama" and record["config"]["n_layer"] == 2
@@ -109,6 +180,7 @@ def test_bf16_llama_step_at_fake_world_with_mfu(tmp_path):
 
 
 def test_llama_shape_names_its_fields(tmp_path):
-    done = run_bench_step("--model", "llama", "--llama-shape", '{"layers": 2}', "--fake-world", "2", "--batch", "2",
-                          tmp_path=tmp_path)
+    done = run_bench_step(
+        "--model", "llama", "--llama-shape", '{"layers": 2}', "--fake-world", "2", "--batch", "2", tmp_path=tmp_path
+    )
     assert done.returncode != 0 and "--llama-shape" in done.stderr and "layers" in done.stderr, done.stderr[-2000:]

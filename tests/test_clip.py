@@ -41,8 +41,9 @@ def _clip_errors(reference, sharded, max_norm: float, norm_type: float) -> dict:
     grads = dict(sharded.named_parameters())
     return {
         "norm": relative_error(got, expected),
-        "grads": max(relative_error(_full(grads[n].grad), p.grad)
-                     for n, p in reference.named_parameters() if p.grad is not None),
+        "grads": max(
+            relative_error(_full(grads[n].grad), p.grad) for n, p in reference.named_parameters() if p.grad is not None
+        ),
         "without_grad": sorted(n for n, p in grads.items() if p.grad is None),
         "expected_without_grad": sorted(n for n, p in reference.named_parameters() if p.grad is None),
     }

@@ -65,8 +65,11 @@ def _compiles(dynamic, batches, mark: bool = False) -> dict:
             loss.backward()
     with torch.no_grad():
         expected = reference(*batches[-1])
-    return {"forward_graphs": sum(g.kind == "forward" for g in captured), "loss": loss.item(),
-            "expected": expected.item()}
+    return {
+        "forward_graphs": sum(g.kind == "forward" for g in captured),
+        "loss": loss.item(),
+        "expected": expected.item(),
+    }
 
 
 def _peak_model_matches_lowering() -> dict:
@@ -95,8 +98,12 @@ def _peak_model_matches_lowering() -> dict:
         report = compshard.inspect(model, *_batch(16, 0), options={"buckets": "none"})
     finally:
         coalesce.PeakModel.build, coalesce.PeakModel.peak = original_build, original_peak
-    return {"built": built, "prices": prices, "pass_seconds": report.pass_seconds,
-            "coalesced": sum("+" in (c["bucket"] or "") for c in report.collectives)}
+    return {
+        "built": built,
+        "prices": prices,
+        "pass_seconds": report.pass_seconds,
+        "coalesced": sum("+" in (c["bucket"] or "") for c in report.collectives),
+    }
 
 
 def _plain_inputs_and_unfreezing(rank: int) -> dict:
@@ -119,8 +126,11 @@ def _plain_inputs_and_unfreezing(rank: int) -> dict:
     frozen_grad = position.grad
     position.requires_grad_(True)
     compiled(*_batch(16, rank)).backward()
-    return {"input_types": input_types, "frozen_grad": frozen_grad,
-            "unfrozen_grad_norm": None if position.grad is None else position.grad.full_tensor().norm().item()}
+    return {
+        "input_types": input_types,
+        "frozen_grad": frozen_grad,
+        "unfrozen_grad_norm": None if position.grad is None else position.grad.full_tensor().norm().item(),
+    }
 
 
 def _worker(rank: int, world_size: int) -> dict:
@@ -203,5 +213,3 @@ def test_checkpoint_region_trains_at_world_size_one():
         assert losses[1] == pytest.approx(losses[0], rel=1e-5)
     for param, expected in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(param.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
-
-

@@ -22,8 +22,10 @@ def test_direct_calls_equal_the_dispatched_ops():
     grads = [torch.randn(5), torch.randn(2, 4)]
     reduced = torch.randn(sum(SHARD_NUMELS))
     cases = [
-        (torch.ops.compshard.all_gather_copy_in.default,
-         ([torch.arange(3.0), torch.arange(4.0) + 10], SHARD_NUMELS, torch.bfloat16, WORLD, 1)),
+        (
+            torch.ops.compshard.all_gather_copy_in.default,
+            ([torch.arange(3.0), torch.arange(4.0) + 10], SHARD_NUMELS, torch.bfloat16, WORLD, 1),
+        ),
         (torch.ops.compshard.all_gather_copy_out.default, (gathered, SHARD_NUMELS, NUMELS, WORLD, [1, 1])),
         (torch.ops.compshard.reduce_scatter_copy_in.default, (grads, SHARD_NUMELS, WORLD, torch.float32, 3.0)),
         (torch.ops.compshard.reduce_scatter_copy_out.default, (reduced, SHARD_NUMELS, [3, 4], torch.bfloat16)),
@@ -35,8 +37,9 @@ def test_direct_calls_equal_the_dispatched_ops():
         expected, got = op(*args), direct(*args)
         if op is torch.ops.compshard.all_gather_copy_in.default:
             expected, got = expected[slot], got[slot]
-        for e, g in zip(expected if isinstance(expected, list) else [expected],
-                        got if isinstance(got, list) else [got]):
+        for e, g in zip(
+            expected if isinstance(expected, list) else [expected], got if isinstance(got, list) else [got]
+        ):
             assert e.dtype == g.dtype and torch.equal(e, g), op
 
 

@@ -131,20 +131,34 @@ def _metadata_complete(report) -> bool:
 def _schedule_facts(report) -> dict:
     forward = report.graphs["forward"]
     outputs = set(next(iter(forward.graph.find_nodes(op="output"))).all_input_nodes)
-    saved_gathered = [p for b in gathered_buffers(forward.graph) if set(aliases(b)) & outputs
-                      for p in node_meta(b).params]
+    saved_gathered = [
+        p for b in gathered_buffers(forward.graph) if set(aliases(b)) & outputs for p in node_meta(b).params
+    ]
     return {
         "saved_gathered": saved_gathered,
         "metadata_complete": _metadata_complete(report),
         "kinds": [(c["graph"], c["kind"], tuple(c["params"])) for c in report.collectives],
         "fingerprints": report.fingerprints,
-        "backward_gathers": sum(1 for c in report.collectives if c["graph"] == "backward" and c["kind"] == "all_gather"),
-        "backward_gathered_buckets": sorted(name for c in report.collectives if (c["graph"], c["kind"]) == (
-            "backward", "all_gather") for name in c["bucket"].split("+")),
-        "forward_freed_groups": sorted(tuple(c["params"]) for c in report.collectives
-                                       if (c["graph"], c["kind"], c["of"]) == ("forward", "free", "params")),
-        "forward_freed": sorted(p for c in report.collectives
-                                if (c["graph"], c["kind"], c["of"]) == ("forward", "free", "params") for p in c["params"]),
+        "backward_gathers": sum(
+            1 for c in report.collectives if c["graph"] == "backward" and c["kind"] == "all_gather"
+        ),
+        "backward_gathered_buckets": sorted(
+            name
+            for c in report.collectives
+            if (c["graph"], c["kind"]) == ("backward", "all_gather")
+            for name in c["bucket"].split("+")
+        ),
+        "forward_freed_groups": sorted(
+            tuple(c["params"])
+            for c in report.collectives
+            if (c["graph"], c["kind"], c["of"]) == ("forward", "free", "params")
+        ),
+        "forward_freed": sorted(
+            p
+            for c in report.collectives
+            if (c["graph"], c["kind"], c["of"]) == ("forward", "free", "params")
+            for p in c["params"]
+        ),
         "buckets": sorted({c["bucket"] for c in report.collectives if c.get("bucket")}),
         "table": str(report),
     }
@@ -166,8 +180,13 @@ def _independent_checks(graph) -> dict:
     starts = {n: node_meta(n) for n in graph.nodes if node_meta(n).kind in ("all_gather", "reduce_scatter")}
     waits = {n.all_input_nodes[0]: n for n in graph.nodes if node_meta(n).kind == "wait"}
     ordered = all(order[waits[s]] > order[s] for s in starts if s in waits) and set(waits) >= set(starts)
-    early_use = [n.name for b in gathered_buffers(graph) for a in aliases(b) for n in a.users
-                 if n.op != "output" and order[n] < order[b]]
+    early_use = [
+        n.name
+        for b in gathered_buffers(graph)
+        for a in aliases(b)
+        for n in a.users
+        if n.op != "output" and order[n] < order[b]
+    ]
     peak = {"all_gather": [], "reduce_scatter": []}
     inflight: dict = {}
     for node in graph.nodes:
@@ -192,16 +211,22 @@ def _scratch_check(world_size: int) -> dict:
     reduce-scatter (profiler allocation events, the output excluded), against the memory
     estimate's figure."""
     from torch.distributed.distributed_c10d import _get_default_group
-    from compshard.passes.memory_model import backend_scratch_bytes
+
     from compshard.passes.fx_utils import c10d
+    from compshard.passes.memory_model import backend_scratch_bytes
 
     group = _get_default_group().group_name
     shard, full = torch.randn(4096), torch.randn(4096 * world_size)
-    cases = {"all_gather": (c10d.all_gather_into_tensor_out.default, (shard, world_size, group),
-                            {"out": torch.empty(4096 * world_size)}),
-             "gather_rows": (torch.ops.compshard.gather_rows_.default, (full, world_size, group), {}),
-             "reduce_scatter": (c10d.reduce_scatter_tensor.default, (full, "sum", world_size, group), {}),
-             "exchange_rows": (torch.ops.compshard.exchange_rows_.default, (full, world_size, group), {})}
+    cases = {
+        "all_gather": (
+            c10d.all_gather_into_tensor_out.default,
+            (shard, world_size, group),
+            {"out": torch.empty(4096 * world_size)},
+        ),
+        "gather_rows": (torch.ops.compshard.gather_rows_.default, (full, world_size, group), {}),
+        "reduce_scatter": (c10d.reduce_scatter_tensor.default, (full, "sum", world_size, group), {}),
+        "exchange_rows": (torch.ops.compshard.exchange_rows_.default, (full, world_size, group), {}),
+    }
     found = {}
     for kind, (op, args, kwargs) in cases.items():
         graph = torch.fx.Graph()
@@ -259,6 +284,7 @@ def _compiled(model, local: tuple, options: dict | None = None) -> tuple:
 
 def _step_peak(params, step_model, local: tuple) -> int:
     """Peak bytes of a forward and backward (gradients unset first), after two such steps."""
+
     def step() -> None:
         for param in params:
             param.grad = None
@@ -294,11 +320,18 @@ def _auto_budget(model, batch: tuple, rank: int, world_size: int) -> dict:
         fully_shard(block)
     fully_shard(eager)
     budget = report.plans[0].buckets.budget
-    return {"parity": {k: trained[k] for k in ("loss", "params", "keys_match")},
-            "kept": budget.kept, "levels": budget.levels, "kept_bytes": budget.kept_bytes,
-            "freed_bytes": budget.freed_bytes, "recompute": report.plans[0].recompute.levels,
-            "facts": _schedule_facts(report), "peak": peak, "fsdp2_peak": _step_peak(eager.parameters(), eager, local),
-            "uneven_kept": uneven_report.plans[0].buckets.budget.kept}
+    return {
+        "parity": {k: trained[k] for k in ("loss", "params", "keys_match")},
+        "kept": budget.kept,
+        "levels": budget.levels,
+        "kept_bytes": budget.kept_bytes,
+        "freed_bytes": budget.freed_bytes,
+        "recompute": report.plans[0].recompute.levels,
+        "facts": _schedule_facts(report),
+        "peak": peak,
+        "fsdp2_peak": _step_peak(eager.parameters(), eager, local),
+        "uneven_kept": uneven_report.plans[0].buckets.budget.kept,
+    }
 
 
 def schedule_worker(rank: int, world_size: int) -> dict:
@@ -314,25 +347,36 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     rows = torch.zeros(world_size, 1000)
     rows[rank] = buffer[:1000]
     expected_rows = torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.all_gather_into_tensor(buffer[:1000], world_size, group))
-    results["gather_rows_equal_all_gather"] = torch.equal(ops.all_gather_rows(rows.view(-1), world_size, group),
-                                                             expected_rows)
+        torch.ops._c10d_functional.all_gather_into_tensor(buffer[:1000], world_size, group)
+    )
+    results["gather_rows_equal_all_gather"] = torch.equal(
+        ops.all_gather_rows(rows.view(-1), world_size, group), expected_rows
+    )
     summed = ops.reduce_scatter_sum(buffer.clone(), world_size, group)
     results["exchange_equals_reduce_scatter"] = torch.equal(
         summed,
         torch.ops._c10d_functional.wait_tensor(
-            torch.ops._c10d_functional.reduce_scatter_tensor(buffer, "sum", world_size, group)))
+            torch.ops._c10d_functional.reduce_scatter_tensor(buffer, "sum", world_size, group)
+        ),
+    )
     received = ops.exchange_rows(buffer.clone(), world_size, group)
-    results["exchange_equals_all_to_all"] = torch.equal(received, torch.ops._c10d_functional.wait_tensor(
-        torch.ops._c10d_functional.all_to_all_single(buffer, [1000] * world_size, [1000] * world_size, group)))
+    results["exchange_equals_all_to_all"] = torch.equal(
+        received,
+        torch.ops._c10d_functional.wait_tensor(
+            torch.ops._c10d_functional.all_to_all_single(buffer, [1000] * world_size, [1000] * world_size, group)
+        ),
+    )
     shard_numels, local_numels = [300, 500, 200], [300, 450, 200]  # three parameters, one short of its rows
     results["unpack_sums_exchanged_rows"] = all(
         torch.equal(unpacked, expected)
         for dtype in (torch.float32, torch.bfloat16)
         for unpacked, expected in zip(
-            torch.ops.compshard.reduce_scatter_copy_out(received.view(world_size, -1), shard_numels, local_numels,
-                                                         dtype),
-            torch.ops.compshard.reduce_scatter_copy_out(summed, shard_numels, local_numels, dtype)))
+            torch.ops.compshard.reduce_scatter_copy_out(
+                received.view(world_size, -1), shard_numels, local_numels, dtype
+            ),
+            torch.ops.compshard.reduce_scatter_copy_out(summed, shard_numels, local_numels, dtype),
+        )
+    )
     results["peak_bytes"] = {"auto": report.peak_bytes}
     auto, measured = _compiled(model, local)
     results["forward_peak"] = {"auto": (auto.peak_bytes["forward"], measured)}
@@ -354,14 +398,18 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         "matches_eager": torch.equal(got, model(*local)),
         "graphs": list(inference.graphs),
         "gathered": sorted(p for c in inference.collectives if c["kind"] == "all_gather" for p in c["params"]),
-        "freed": sorted(p for c in inference.collectives if (c["kind"], c["of"]) == ("free", "params")
-                        for p in c["params"]),
+        "freed": sorted(
+            p for c in inference.collectives if (c["kind"], c["of"]) == ("free", "params") for p in c["params"]
+        ),
     }
     late, measured = _compiled(model, local, {"prefetch": 0})
     results["forward_peak"]["prefetch 0"] = (late.peak_bytes["forward"], measured)
     results["peak_bytes"]["prefetch 0"] = late.peak_bytes
-    results["late"] = {"buckets": late.buckets, "exposed": {kind: t.exposed_comm for kind, t in late.timelines.items()},
-                       "comm": {kind: t.comm for kind, t in late.timelines.items()}}
+    results["late"] = {
+        "buckets": late.buckets,
+        "exposed": {kind: t.exposed_comm for kind, t in late.timelines.items()},
+        "comm": {kind: t.comm for kind, t in late.timelines.items()},
+    }
     separate, measured = _compiled(model, local, {"coalesce": "none"})
     results["forward_peak"]["separate"] = (separate.peak_bytes["forward"], measured)
     results["separate"] = _schedule_facts(separate)
@@ -380,7 +428,6 @@ def schedule_worker(rank: int, world_size: int) -> dict:
     bounded = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options=OPTION_VARIANTS["bounded"][1])
     results["bounded_schedule"] = {kind: _independent_checks(gm.graph) for kind, gm in bounded.graphs.items()}
     results["bounded_prefetch"] = _schedule_facts(bounded)["kinds"]
-
 
     # A rank whose compiler builds another schedule (here: rank 1 keeps every bucket
     # gathered for backward, so its forward frees no parameters and its backward gathers
@@ -457,10 +504,14 @@ def test_coalesced_buckets_share_collectives_but_are_freed_apart(schedule_result
     for result in schedule_results:
         coalesced, separate = result["reshard"], result["separate"]
         for graph, kind in (("forward", "all_gather"), ("backward", "all_gather"), ("backward", "reduce_scatter")):
-            count = {facts_name: sum(1 for g, k, _ in facts["kinds"] if (g, k) == (graph, kind))
-                     for facts_name, facts in (("coalesced", coalesced), ("separate", separate))}
+            count = {
+                facts_name: sum(1 for g, k, _ in facts["kinds"] if (g, k) == (graph, kind))
+                for facts_name, facts in (("coalesced", coalesced), ("separate", separate))
+            }
             assert count["coalesced"] <= count["separate"], (graph, kind, count)
-        assert len([k for k in coalesced["kinds"] if k[1] != "free"]) < len([k for k in separate["kinds"] if k[1] != "free"])
+        assert len([k for k in coalesced["kinds"] if k[1] != "free"]) < len(
+            [k for k in separate["kinds"] if k[1] != "free"]
+        )
         # each bucket's parameters are still released on their own, right after the bucket's last use
         assert coalesced["forward_freed_groups"] == separate["forward_freed_groups"]
         assert len(coalesced["forward_freed_groups"]) == 2  # blocks.0 and blocks.1 (the pooled bucket is kept)
@@ -516,8 +567,18 @@ def test_every_rank_builds_the_same_schedule(schedule_results):
 
 def test_report_table_lists_the_schedule(schedule_results):
     table = schedule_results[0]["reshard"]["table"]
-    for column in ("graph", "node", "kind", "bucket / unit", "bytes", "est ms", "in flight", "live after",
-                   "prefetch (gathers ahead)", "exposed comm ms"):
+    for column in (
+        "graph",
+        "node",
+        "kind",
+        "bucket / unit",
+        "bytes",
+        "est ms",
+        "in flight",
+        "live after",
+        "prefetch (gathers ahead)",
+        "exposed comm ms",
+    ):
         assert column in table
     for kind in ("all_gather", "wait", "free", "reduce_scatter", "pack", "unpack"):
         assert kind in table
@@ -542,8 +603,11 @@ def test_report_buckets_and_trace(schedule_results):
     late = schedule_results[0]["late"]
     assert all(d == 0 for b in late["buckets"] for d in b["prefetch"].values()), late["buckets"]
     pids = check_trace(trace["events"], measured=True)  # profile=True adds the profiler's events
-    in_flight = [e["args"]["bytes"] for e in trace["events"]
-                 if e["pid"] == pids["estimated forward"] and e["name"] == "bytes in flight"]
+    in_flight = [
+        e["args"]["bytes"]
+        for e in trace["events"]
+        if e["pid"] == pids["estimated forward"] and e["name"] == "bytes in flight"
+    ]
     assert max(in_flight) > 0  # two ranks: all-gathers in flight
     # prefetch 0: each forward all-gather starts at its wait, so all of it is exposed;
     # prefetching never exposes more
@@ -626,8 +690,7 @@ def test_a_rank_with_a_different_schedule_is_detected(schedule_results):
 def codegen_worker(rank: int, world_size: int) -> dict:
     torch._dynamo.reset()
     inductor = parity("mlp", rank, world_size, compile_options={"codegen": "inductor"})
-    return {"parity": {k: inductor[k] for k in ("loss", "params", "keys_match")},
-            "gpt": _step_peaks(rank, world_size)}
+    return {"parity": {k: inductor[k] for k in ("loss", "params", "keys_match")}, "gpt": _step_peaks(rank, world_size)}
 
 
 @pytest.fixture(scope="module")

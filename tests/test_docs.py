@@ -24,16 +24,22 @@ PAGES = [README, *DOCS, ROOT / "CHANGELOG.md", *sorted((ROOT / "benchmarks" / "r
 # Blocks another test runs and checks, by a text the block holds -> that test: the pipeline
 # example inside tests/test_pipeline.py's 2- and 4-rank spawn, the gradient accumulation
 # example in tests/test_training_features.py's process.
-RUN_ELSEWHERE = {"compshard.pipeline(": ROOT / "tests" / "test_pipeline.py",
-                 "compshard.no_sync(": ROOT / "tests" / "test_training_features.py"}
+RUN_ELSEWHERE = {
+    "compshard.pipeline(": ROOT / "tests" / "test_pipeline.py",
+    "compshard.no_sync(": ROOT / "tests" / "test_training_features.py",
+}
 
 
 def _elsewhere(code: str) -> pathlib.Path | None:
     return next((test for text, test in RUN_ELSEWHERE.items() if text in code), None)
 
 
-CASES = [pytest.param(block, processes, id=f"{block.name}-{processes}")
-         for block in runnable(DOCS) if _elsewhere(block.code) is None for processes in block.launches()]
+CASES = [
+    pytest.param(block, processes, id=f"{block.name}-{processes}")
+    for block in runnable(DOCS)
+    if _elsewhere(block.code) is None
+    for processes in block.launches()
+]
 
 
 @pytest.mark.parametrize("block, processes", CASES)
@@ -116,10 +122,15 @@ def test_slug_matches_githubs_rule():
 
 NOT_DOCUMENTED = {"compshard_backend"}  # what torch.compile(backend="compshard") calls; not called by users
 FUNCTIONS = {
-    **{f"compshard.{name}": getattr(compshard, name) for name in compshard.__all__
-       if inspect.isfunction(getattr(compshard, name)) and name not in NOT_DOCUMENTED},
-    **{f"compshard.checkpoint.{name}": getattr(compshard.checkpoint, name)
-       for name in ("save", "load", "get_full_state_dict", "set_full_state_dict")},
+    **{
+        f"compshard.{name}": getattr(compshard, name)
+        for name in compshard.__all__
+        if inspect.isfunction(getattr(compshard, name)) and name not in NOT_DOCUMENTED
+    },
+    **{
+        f"compshard.checkpoint.{name}": getattr(compshard.checkpoint, name)
+        for name in ("save", "load", "get_full_state_dict", "set_full_state_dict")
+    },
 }
 REQUIRED = "required"
 

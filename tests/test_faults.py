@@ -20,8 +20,9 @@ import signal
 import tempfile
 import time
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 import torch
@@ -79,8 +80,9 @@ def _child(rank: int, world_size: int, run_dir: str, scenario: Callable, args: t
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(run_dir, "store"), world_size)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=RUN_SECONDS))
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=RUN_SECONDS)
+    )
     try:
         result, error = scenario(rank, world_size, *args), None
     except InjectedFault:
@@ -115,8 +117,10 @@ def _run(scenario: Callable, *args: Any, world_size: int = 2) -> Run:
     rank is joined last, so a killed one stays a zombie while the others run."""
     context = multiprocessing.get_context("spawn")
     with tempfile.TemporaryDirectory() as run_dir:
-        processes = [context.Process(target=_child, args=(rank, world_size, run_dir, scenario, args))
-                     for rank in range(world_size)]
+        processes = [
+            context.Process(target=_child, args=(rank, world_size, run_dir, scenario, args))
+            for rank in range(world_size)
+        ]
         for process in processes:
             process.start()
         deadline = time.monotonic() + RUN_SECONDS
@@ -131,8 +135,10 @@ def _run(scenario: Callable, *args: Any, world_size: int = 2) -> Run:
                 if process.is_alive():
                     process.kill()
                     process.join()
-        outcomes = [torch.load(path, weights_only=False) if os.path.exists(path := os.path.join(run_dir, f"{r}.pt"))
-                    else None for r in range(world_size)]
+        outcomes = [
+            torch.load(path, weights_only=False) if os.path.exists(path := os.path.join(run_dir, f"{r}.pt")) else None
+            for r in range(world_size)
+        ]
         fault_path = os.path.join(run_dir, "fault")
         fault = float(open(fault_path).read()) if os.path.exists(fault_path) else None
         stderr = [open(os.path.join(run_dir, f"{rank}.err")).read() for rank in range(world_size)]
@@ -311,8 +317,10 @@ def _reads_and_misuse(rank: int, world_size: int) -> dict:
         for current in range(3):
             if read and current == 1 and rank == 0:
                 weight = model.blocks[0].mlp.fc.weight
-                results["read"] = (isinstance(weight, torch.nn.Parameter) and isinstance(weight, DTensor),
-                                   tuple(weight.to_local().shape))
+                results["read"] = (
+                    isinstance(weight, torch.nn.Parameter) and isinstance(weight, DTensor),
+                    tuple(weight.to_local().shape),
+                )
             loss = step_model(*local_batch(batch, rank, world_size))
             loss.backward()
             optimizer.step()
@@ -347,7 +355,9 @@ def test_a_read_outside_forward_is_local_and_misuse_is_named():
         assert result["with read"][0] == result["without read"][0]  # same losses: nothing shifted
         for name, value in result["without read"][1].items():
             assert torch.equal(result["with read"][1][name], value), name
-        assert any("before shard" in message and "discarding the other ranks' updates" in message
-                   for message in result["compiled before shard"]), result["compiled before shard"]
+        assert any(
+            "before shard" in message and "discarding the other ranks' updates" in message
+            for message in result["compiled before shard"]
+        ), result["compiled before shard"]
         assert "meta device" in result["meta"] and "to_empty" in result["meta"], result["meta"]
     assert results[0]["full norm"] == results[1]["full norm"]

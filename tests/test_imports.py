@@ -44,8 +44,11 @@ def _imports(path: pathlib.Path, modules: set[str]) -> set[str]:
                 continue
             found.add(name)
             parts = name.split(".")
-            found.update(parent for i in range(1, len(parts)) if (parent := ".".join(parts[:i])) in modules
-                         and not (package + ".").startswith(parent + "."))
+            found.update(
+                parent
+                for i in range(1, len(parts))
+                if (parent := ".".join(parts[:i])) in modules and not (package + ".").startswith(parent + ".")
+            )
     return found
 
 
@@ -64,7 +67,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         stack.append(module)
         for imported in sorted(graph[module]):
             if state.get(imported) == "open":
-                return stack[stack.index(imported):] + [imported]
+                return stack[stack.index(imported) :] + [imported]
             if imported not in state and (cycle := visit(imported)):
                 return cycle
         state[module] = "done"

@@ -93,10 +93,44 @@ def backend(request, monkeypatch):
 
 # fp32 values that stress rounding: bf16 ties (down/up to even), fp16 overflow
 # and ties at the top, fp16 subnormal ties, fp32 denormals, bf16 overflow.
-_SPECIAL_BITS = [0x3F808000, 0x3F818000, 0x3F80C000, 0xBF808000, 0x7F7FFFFF, 0xFF7FFFFF, 0x00000001, 0x80400000,
-                 0x7F800001, 0xFFC12345, 0x477FEFFF, 0x477FF000, 0x33000000, 0x33400000, 0x387FC000, 0x3F802000]
-_SPECIAL_VALUES = [0.0, -0.0, float("inf"), float("-inf"), float("nan"), 1.0, -1.5, 65504.0, 65520.0, 1e5, 1e-8,
-                   6e-8, 2.0 ** -25, 3 * 2.0 ** -26, 1e-40, 3.4e38, 0.1, 1 / 3]
+_SPECIAL_BITS = [
+    0x3F808000,
+    0x3F818000,
+    0x3F80C000,
+    0xBF808000,
+    0x7F7FFFFF,
+    0xFF7FFFFF,
+    0x00000001,
+    0x80400000,
+    0x7F800001,
+    0xFFC12345,
+    0x477FEFFF,
+    0x477FF000,
+    0x33000000,
+    0x33400000,
+    0x387FC000,
+    0x3F802000,
+]
+_SPECIAL_VALUES = [
+    0.0,
+    -0.0,
+    float("inf"),
+    float("-inf"),
+    float("nan"),
+    1.0,
+    -1.5,
+    65504.0,
+    65520.0,
+    1e5,
+    1e-8,
+    6e-8,
+    2.0**-25,
+    3 * 2.0**-26,
+    1e-40,
+    3.4e38,
+    0.1,
+    1 / 3,
+]
 
 
 def _specials(dtype: torch.dtype) -> torch.Tensor:
@@ -228,16 +262,24 @@ def test_round_trip(backend, world_size, dtype_pair):
         assert torch.equal(u, p.to(comm_dtype))
 
     # Reduce-scatter: every rank has its own full gradients; the collective sums chunk r over ranks.
-    grads = [[finite_values(src_dtype, n, seed=100 * q + i).view(s) for i, (n, s) in enumerate(zip(NUMELS, SHAPES))]
-             for q in range(world_size)]
+    grads = [
+        [finite_values(src_dtype, n, seed=100 * q + i).view(s) for i, (n, s) in enumerate(zip(NUMELS, SHAPES))]
+        for q in range(world_size)
+    ]
     bufs = [K.reduce_scatter_copy_in(g, lengths, world_size, comm_dtype, divide_by=world_size) for g in grads]
     S = sum(lengths)
     for q in range(world_size):
-        naive = torch.cat([
-            torch.cat([naive_shard(g.reshape(-1).to(comm_dtype) / world_size, r, world_size, L)
-                       for g, L in zip(grads[q], lengths)])
-            for r in range(world_size)
-        ])
+        naive = torch.cat(
+            [
+                torch.cat(
+                    [
+                        naive_shard(g.reshape(-1).to(comm_dtype) / world_size, r, world_size, L)
+                        for g, L in zip(grads[q], lengths)
+                    ]
+                )
+                for r in range(world_size)
+            ]
+        )
         assert torch.equal(bufs[q], naive)
     total = [sum(grads[q][i].reshape(-1).double() for q in range(world_size)) for i in range(len(NUMELS))]
     for r in range(world_size):
@@ -291,10 +333,10 @@ def test_all_gather_copy_in_bit_exact(interpreter, dtype_pair):
     # into a slot of a larger buffer (the in-place all-gather): the slot is written, nothing around it
     total = sum(lengths)
     buffer = torch.full((3 * total,), 7.0, dtype=dtype)
-    returned = K.all_gather_copy_in(shards, lengths, dtype, out=buffer[total:2 * total])
+    returned = K.all_gather_copy_in(shards, lengths, dtype, out=buffer[total : 2 * total])
     assert returned.data_ptr() == buffer[total:].data_ptr()
-    assert_bits_equal(buffer[total:2 * total], got, "all_gather_copy_in(out=slot)")
-    assert bool((buffer[:total] == 7).all()) and bool((buffer[2 * total:] == 7).all())
+    assert_bits_equal(buffer[total : 2 * total], got, "all_gather_copy_in(out=slot)")
+    assert bool((buffer[:total] == 7).all()) and bool((buffer[2 * total :] == 7).all())
 
 
 @requires_triton
@@ -311,7 +353,7 @@ def test_all_gather_copy_out_bit_exact(interpreter, dtype_pair):
     result = K.all_gather_copy_out(gathered, lengths, SHAPES, world_size, dtype, out=[o for o, _ in outs])
     assert all(r is o for r, (o, _) in zip(result, outs))
     assert_lists_bits_equal([o for o, _ in outs], expected, "all_gather_copy_out(out=)")
-    for (o, buf) in outs:
+    for o, buf in outs:
         check_guards(buf, o.numel())
     check_guards(gathered_buf, gathered.numel())
 
@@ -339,8 +381,9 @@ def test_reduce_scatter_copy_out_bit_exact(interpreter, dtype_pair, mode):
     reduced, reduced_buf = guarded(values(src_dtype, S, seed=3))
     expected = K.reduce_scatter_copy_out_reference(reduced, lengths, local, dtype)
     if mode == "new":
-        assert_lists_bits_equal(K.reduce_scatter_copy_out(reduced, lengths, local, dtype), expected,
-                                "reduce_scatter_copy_out")
+        assert_lists_bits_equal(
+            K.reduce_scatter_copy_out(reduced, lengths, local, dtype), expected, "reduce_scatter_copy_out"
+        )
     elif mode == "out":
         outs = [guarded(torch.empty(n, dtype=dtype)) for n in local]
         got = K.reduce_scatter_copy_out(reduced, lengths, local, dtype, out=[o for o, _ in outs])
@@ -365,18 +408,26 @@ def test_reduce_scatter_copy_out_bit_exact(interpreter, dtype_pair, mode):
 def test_world_sizes_bit_exact(interpreter, world_size):
     lengths, S = _bucket(world_size)
     shards = [values(torch.float32, max(L - i % 2, 0), seed=i) for i, L in enumerate(lengths)]
-    assert_bits_equal(K.all_gather_copy_in(shards, lengths, torch.bfloat16),
-                      K.all_gather_copy_in_reference(shards, lengths, torch.bfloat16))
+    assert_bits_equal(
+        K.all_gather_copy_in(shards, lengths, torch.bfloat16),
+        K.all_gather_copy_in_reference(shards, lengths, torch.bfloat16),
+    )
     gathered = values(torch.bfloat16, world_size * S, seed=2)
-    assert_lists_bits_equal(K.all_gather_copy_out(gathered, lengths, SHAPES, world_size, torch.float16),
-                            K.all_gather_copy_out_reference(gathered, lengths, SHAPES, world_size, torch.float16))
+    assert_lists_bits_equal(
+        K.all_gather_copy_out(gathered, lengths, SHAPES, world_size, torch.float16),
+        K.all_gather_copy_out_reference(gathered, lengths, SHAPES, world_size, torch.float16),
+    )
     grads = [values(torch.float32, n, seed=20 + i) for i, n in enumerate(NUMELS)]
-    assert_bits_equal(K.reduce_scatter_copy_in(grads, lengths, world_size, torch.bfloat16, divide_by=world_size),
-                      K.reduce_scatter_copy_in_reference(grads, lengths, world_size, torch.bfloat16, world_size))
+    assert_bits_equal(
+        K.reduce_scatter_copy_in(grads, lengths, world_size, torch.bfloat16, divide_by=world_size),
+        K.reduce_scatter_copy_in_reference(grads, lengths, world_size, torch.bfloat16, world_size),
+    )
     reduced = values(torch.bfloat16, S, seed=4)
     local = [max(L - 1, 0) for L in lengths]
-    assert_lists_bits_equal(K.reduce_scatter_copy_out(reduced, lengths, local, torch.float32),
-                            K.reduce_scatter_copy_out_reference(reduced, lengths, local, torch.float32))
+    assert_lists_bits_equal(
+        K.reduce_scatter_copy_out(reduced, lengths, local, torch.float32),
+        K.reduce_scatter_copy_out_reference(reduced, lengths, local, torch.float32),
+    )
 
 
 def _many_params(k: int, world_size: int, seed: int):
@@ -394,16 +445,20 @@ def test_many_parameters_bit_exact(interpreter, k):
     numels, lengths = _many_params(k, world_size, seed=k)
     S = sum(lengths)
     shards = [values(torch.float32, L - (i % 2) if L else 0, seed=i) for i, L in enumerate(lengths)]
-    assert_bits_equal(K.all_gather_copy_in(shards, lengths, torch.bfloat16),
-                      K.all_gather_copy_in_reference(shards, lengths, torch.bfloat16))
+    assert_bits_equal(
+        K.all_gather_copy_in(shards, lengths, torch.bfloat16),
+        K.all_gather_copy_in_reference(shards, lengths, torch.bfloat16),
+    )
     gathered = values(torch.bfloat16, world_size * S, seed=5)
     shapes = [(n,) for n in numels]
     outs = [torch.empty(n, dtype=torch.float32) for n in numels]
     K.all_gather_copy_out(gathered, lengths, shapes, world_size, torch.float32, out=outs)
     assert_lists_bits_equal(outs, K.all_gather_copy_out_reference(gathered, lengths, shapes, world_size, torch.float32))
     grads = [values(torch.float16, n, seed=7 + i) for i, n in enumerate(numels)]
-    assert_bits_equal(K.reduce_scatter_copy_in(grads, lengths, world_size, torch.float32, divide_by=3),
-                      K.reduce_scatter_copy_in_reference(grads, lengths, world_size, torch.float32, 3))
+    assert_bits_equal(
+        K.reduce_scatter_copy_in(grads, lengths, world_size, torch.float32, divide_by=3),
+        K.reduce_scatter_copy_in_reference(grads, lengths, world_size, torch.float32, 3),
+    )
     reduced = values(torch.float32, S, seed=6)
     local = [min(L, n) for L, n in zip(lengths, numels)]
     init = [values(torch.bfloat16, n, seed=9 + i) for i, n in enumerate(local)]
@@ -421,8 +476,10 @@ def test_interpreter_rows_packing_is_transparent(interpreter, monkeypatch, rows_
     numels, lengths = _many_params(100, 4, seed=11)
     numels[10], lengths[10] = 700, 175  # a multi-block parameter among tiny ones
     grads = [values(torch.bfloat16, n, seed=i) for i, n in enumerate(numels)]
-    assert_bits_equal(K.reduce_scatter_copy_in(grads, lengths, 4, torch.float16, divide_by=10),
-                      K.reduce_scatter_copy_in_reference(grads, lengths, 4, torch.float16, 10))
+    assert_bits_equal(
+        K.reduce_scatter_copy_in(grads, lengths, 4, torch.float16, divide_by=10),
+        K.reduce_scatter_copy_in_reference(grads, lengths, 4, torch.float16, 10),
+    )
 
 
 def test_block_follows_segment_length():
@@ -440,8 +497,10 @@ def test_interpreter_gpu_block_size(interpreter, monkeypatch):
     monkeypatch.setattr(_triton_launch, "INTERPRET_BLOCK", _triton_launch.block_size(torch.float32, torch.bfloat16))
     lengths, S = _bucket(2)
     gathered = values(torch.float32, 2 * S, seed=12)
-    assert_lists_bits_equal(K.all_gather_copy_out(gathered, lengths, SHAPES, 2, torch.bfloat16),
-                            K.all_gather_copy_out_reference(gathered, lengths, SHAPES, 2, torch.bfloat16))
+    assert_lists_bits_equal(
+        K.all_gather_copy_out(gathered, lengths, SHAPES, 2, torch.bfloat16),
+        K.all_gather_copy_out_reference(gathered, lengths, SHAPES, 2, torch.bfloat16),
+    )
 
 
 @requires_triton
@@ -455,8 +514,10 @@ def test_same_dtype_copy_keeps_nan_payloads(interpreter):
 @requires_triton
 def test_divide_pads_with_positive_zero(interpreter):
     got = K.reduce_scatter_copy_in([torch.tensor([-0.0, 1.0, -2.0])], [2], 2, torch.bfloat16, divide_by=4)
-    assert got.view(torch.int16).tolist() == torch.tensor([-0.0, 0.25, -0.5, 0.0], dtype=torch.bfloat16).view(
-        torch.int16).tolist()
+    assert (
+        got.view(torch.int16).tolist()
+        == torch.tensor([-0.0, 0.25, -0.5, 0.0], dtype=torch.bfloat16).view(torch.int16).tolist()
+    )
 
 
 # --------------------------------------------------------------------------- validation
@@ -467,100 +528,232 @@ def _good():
 
 
 BAD_CALLS = {
-    "shards/len": (lambda: K.all_gather_copy_in([torch.zeros(2)], [2, 3], torch.float32), ValueError,
-                   "shards has 1 tensors but shard_numels has 2"),
-    "shards/too-long": (lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(4)], [2, 3], torch.float32),
-                        ValueError, r"shards\[1\] has 4 elements, more than shard_numels\[1\] = 3"),
-    "shards/int-dtype": (lambda: K.all_gather_copy_in([torch.zeros(2, dtype=torch.int32)], [2], torch.float32),
-                         TypeError, r"shards\[0\] has dtype torch.int32"),
-    "shards/mixed-dtype": (lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(3, dtype=torch.float16)],
-                                                        [2, 3], torch.float32), TypeError, "must all be"),
-    "shards/non-contiguous": (lambda: K.all_gather_copy_in([torch.zeros(2, 2).t(), torch.zeros(3)], [4, 3],
-                                                           torch.float32), ValueError, "contiguous"),
-    "shards/device-mix": (lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(3, device="meta")], [2, 3],
-                                                       torch.float32), ValueError, "device"),
-    "shards/not-tensor": (lambda: K.all_gather_copy_in([[0.0, 0.0]], [2], torch.float32), TypeError,
-                          "must be a torch.Tensor"),
+    "shards/len": (
+        lambda: K.all_gather_copy_in([torch.zeros(2)], [2, 3], torch.float32),
+        ValueError,
+        "shards has 1 tensors but shard_numels has 2",
+    ),
+    "shards/too-long": (
+        lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(4)], [2, 3], torch.float32),
+        ValueError,
+        r"shards\[1\] has 4 elements, more than shard_numels\[1\] = 3",
+    ),
+    "shards/int-dtype": (
+        lambda: K.all_gather_copy_in([torch.zeros(2, dtype=torch.int32)], [2], torch.float32),
+        TypeError,
+        r"shards\[0\] has dtype torch.int32",
+    ),
+    "shards/mixed-dtype": (
+        lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(3, dtype=torch.float16)], [2, 3], torch.float32),
+        TypeError,
+        "must all be",
+    ),
+    "shards/non-contiguous": (
+        lambda: K.all_gather_copy_in([torch.zeros(2, 2).t(), torch.zeros(3)], [4, 3], torch.float32),
+        ValueError,
+        "contiguous",
+    ),
+    "shards/device-mix": (
+        lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(3, device="meta")], [2, 3], torch.float32),
+        ValueError,
+        "device",
+    ),
+    "shards/not-tensor": (
+        lambda: K.all_gather_copy_in([[0.0, 0.0]], [2], torch.float32),
+        TypeError,
+        "must be a torch.Tensor",
+    ),
     "shards/empty-bucket": (lambda: K.all_gather_copy_in([], [], torch.float32), ValueError, "empty"),
     "dtype/int": (lambda: K.all_gather_copy_in(*_good(), torch.int32), TypeError, "dtype must be"),
     "dtype/str": (lambda: K.all_gather_copy_in(*_good(), "bfloat16"), TypeError, "dtype must be a torch.dtype"),
-    "shard_numels/negative": (lambda: K.all_gather_copy_in([torch.zeros(0)], [-1], torch.float32), ValueError,
-                              r"shard_numels\[0\] must be a non-negative int"),
-    "shard_numels/float": (lambda: K.all_gather_copy_in([torch.zeros(2)], [2.0], torch.float32), ValueError,
-                           "non-negative int"),
-    "shard_numels/not-seq": (lambda: K.all_gather_copy_in([torch.zeros(2)], 2, torch.float32), TypeError,
-                             "sequence"),
-    "gathered/numel": (lambda: K.all_gather_copy_out(torch.zeros(9), [2, 3], [(4,), (6,)], 2), ValueError,
-                       "world_size \\* sum\\(shard_numels\\) = 10"),
+    "shard_numels/negative": (
+        lambda: K.all_gather_copy_in([torch.zeros(0)], [-1], torch.float32),
+        ValueError,
+        r"shard_numels\[0\] must be a non-negative int",
+    ),
+    "shard_numels/float": (
+        lambda: K.all_gather_copy_in([torch.zeros(2)], [2.0], torch.float32),
+        ValueError,
+        "non-negative int",
+    ),
+    "shard_numels/not-seq": (lambda: K.all_gather_copy_in([torch.zeros(2)], 2, torch.float32), TypeError, "sequence"),
+    "gathered/numel": (
+        lambda: K.all_gather_copy_out(torch.zeros(9), [2, 3], [(4,), (6,)], 2),
+        ValueError,
+        "world_size \\* sum\\(shard_numels\\) = 10",
+    ),
     "gathered/2d": (lambda: K.all_gather_copy_out(torch.zeros(2, 5), [2, 3], [(4,), (6,)], 2), ValueError, "1-D"),
-    "gathered/non-contiguous": (lambda: K.all_gather_copy_out(torch.zeros(20)[::2], [2, 3], [(4,), (6,)], 2),
-                                ValueError, "gathered must be contiguous"),
-    "gathered/int": (lambda: K.all_gather_copy_out(torch.zeros(10, dtype=torch.int64), [2, 3], [(4,), (6,)], 2),
-                     TypeError, "gathered has dtype torch.int64"),
+    "gathered/non-contiguous": (
+        lambda: K.all_gather_copy_out(torch.zeros(20)[::2], [2, 3], [(4,), (6,)], 2),
+        ValueError,
+        "gathered must be contiguous",
+    ),
+    "gathered/int": (
+        lambda: K.all_gather_copy_out(torch.zeros(10, dtype=torch.int64), [2, 3], [(4,), (6,)], 2),
+        TypeError,
+        "gathered has dtype torch.int64",
+    ),
     "shapes/len": (lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(4,)], 2), ValueError, "shapes must be"),
-    "shapes/too-big": (lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(5,), (6,)], 2), ValueError,
-                       r"shapes\[0\] = \(5,\) has 5 elements but shard_numels\[0\] \* world_size = 4"),
-    "shapes/negative": (lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(-4,), (6,)], 2), ValueError,
-                        "non-negative"),
-    "world_size/zero": (lambda: K.all_gather_copy_out(torch.zeros(0), [2, 3], [(0,), (0,)], 0), ValueError,
-                        "world_size must be a positive int"),
-    "out/shape": (lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(4,), (6,)], 2,
-                                                out=[torch.zeros(4), torch.zeros(2, 3)]), ValueError,
-                  r"out\[1\] has shape \(2, 3\) but shapes\[1\] is \(6,\)"),
-    "out/dtype": (lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(4,), (6,)], 2, dtype=torch.bfloat16,
-                                                out=[torch.zeros(4, dtype=torch.bfloat16), torch.zeros(6)]),
-                  TypeError, r"out\[1\] has dtype torch.float32 but out must all be torch.bfloat16"),
-    "out/len": (lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(4,), (6,)], 2, out=[torch.zeros(4)]),
-                ValueError, "out has 1 tensors"),
-    "out/non-contiguous": (lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(2, 2), (6,)], 2,
-                                                         out=[torch.zeros(2, 2).t(), torch.zeros(6)]),
-                           ValueError, "contiguous"),
-    "out/device": (lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(4,), (6,)], 2,
-                                                 out=[torch.zeros(4), torch.zeros(6, device="meta")]),
-                   ValueError, "device"),
-    "copy_in/out-numel": (lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(3)], [2, 3], torch.float32,
-                                                       out=torch.zeros(4)), ValueError, "out must be a contiguous 1-D"),
-    "copy_in/out-dtype": (lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(3)], [2, 3], torch.float32,
-                                                       out=torch.zeros(5, dtype=torch.bfloat16)), ValueError,
-                          "torch.float32 tensor of 5 elements"),
-    "grads/too-long": (lambda: K.reduce_scatter_copy_in([torch.zeros(5), torch.zeros(6)], [2, 3], 2, torch.float32),
-                       ValueError, r"grads\[0\] has 5 elements but shard_numels\[0\] \* world_size = 4"),
-    "grads/len": (lambda: K.reduce_scatter_copy_in([torch.zeros(4)], [2, 3], 2, torch.float32), ValueError,
-                  "grads has 1 tensors"),
-    "divide_by/zero": (lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by=0), ValueError,
-                       "divide_by must be a positive finite number"),
-    "divide_by/negative": (lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by=-2.0), ValueError,
-                           "positive"),
-    "divide_by/nan": (lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by=float("nan")),
-                      ValueError, "positive finite"),
-    "divide_by/str": (lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by="2"), TypeError,
-                      "divide_by must be None or"),
-    "divide_by/bool": (lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by=True), TypeError,
-                       "divide_by"),
+    "shapes/too-big": (
+        lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(5,), (6,)], 2),
+        ValueError,
+        r"shapes\[0\] = \(5,\) has 5 elements but shard_numels\[0\] \* world_size = 4",
+    ),
+    "shapes/negative": (
+        lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(-4,), (6,)], 2),
+        ValueError,
+        "non-negative",
+    ),
+    "world_size/zero": (
+        lambda: K.all_gather_copy_out(torch.zeros(0), [2, 3], [(0,), (0,)], 0),
+        ValueError,
+        "world_size must be a positive int",
+    ),
+    "out/shape": (
+        lambda: K.all_gather_copy_out(
+            torch.zeros(10), [2, 3], [(4,), (6,)], 2, out=[torch.zeros(4), torch.zeros(2, 3)]
+        ),
+        ValueError,
+        r"out\[1\] has shape \(2, 3\) but shapes\[1\] is \(6,\)",
+    ),
+    "out/dtype": (
+        lambda: K.all_gather_copy_out(
+            torch.zeros(10),
+            [2, 3],
+            [(4,), (6,)],
+            2,
+            dtype=torch.bfloat16,
+            out=[torch.zeros(4, dtype=torch.bfloat16), torch.zeros(6)],
+        ),
+        TypeError,
+        r"out\[1\] has dtype torch.float32 but out must all be torch.bfloat16",
+    ),
+    "out/len": (
+        lambda: K.all_gather_copy_out(torch.zeros(10), [2, 3], [(4,), (6,)], 2, out=[torch.zeros(4)]),
+        ValueError,
+        "out has 1 tensors",
+    ),
+    "out/non-contiguous": (
+        lambda: K.all_gather_copy_out(
+            torch.zeros(10), [2, 3], [(2, 2), (6,)], 2, out=[torch.zeros(2, 2).t(), torch.zeros(6)]
+        ),
+        ValueError,
+        "contiguous",
+    ),
+    "out/device": (
+        lambda: K.all_gather_copy_out(
+            torch.zeros(10), [2, 3], [(4,), (6,)], 2, out=[torch.zeros(4), torch.zeros(6, device="meta")]
+        ),
+        ValueError,
+        "device",
+    ),
+    "copy_in/out-numel": (
+        lambda: K.all_gather_copy_in([torch.zeros(2), torch.zeros(3)], [2, 3], torch.float32, out=torch.zeros(4)),
+        ValueError,
+        "out must be a contiguous 1-D",
+    ),
+    "copy_in/out-dtype": (
+        lambda: K.all_gather_copy_in(
+            [torch.zeros(2), torch.zeros(3)], [2, 3], torch.float32, out=torch.zeros(5, dtype=torch.bfloat16)
+        ),
+        ValueError,
+        "torch.float32 tensor of 5 elements",
+    ),
+    "grads/too-long": (
+        lambda: K.reduce_scatter_copy_in([torch.zeros(5), torch.zeros(6)], [2, 3], 2, torch.float32),
+        ValueError,
+        r"grads\[0\] has 5 elements but shard_numels\[0\] \* world_size = 4",
+    ),
+    "grads/len": (
+        lambda: K.reduce_scatter_copy_in([torch.zeros(4)], [2, 3], 2, torch.float32),
+        ValueError,
+        "grads has 1 tensors",
+    ),
+    "divide_by/zero": (
+        lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by=0),
+        ValueError,
+        "divide_by must be a positive finite number",
+    ),
+    "divide_by/negative": (
+        lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by=-2.0),
+        ValueError,
+        "positive",
+    ),
+    "divide_by/nan": (
+        lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by=float("nan")),
+        ValueError,
+        "positive finite",
+    ),
+    "divide_by/str": (
+        lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by="2"),
+        TypeError,
+        "divide_by must be None or",
+    ),
+    "divide_by/bool": (
+        lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float32, divide_by=True),
+        TypeError,
+        "divide_by",
+    ),
     "rs_in/dtype": (lambda: K.reduce_scatter_copy_in(*_good(), 2, torch.float64), TypeError, "dtype must be"),
-    "reduced/numel": (lambda: K.reduce_scatter_copy_out(torch.zeros(4), [2, 3], [2, 3], torch.float32), ValueError,
-                      r"sum\(shard_numels\) = 5"),
-    "local_numels/len": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2], torch.float32), ValueError,
-                         "local_numels has 1 entries but shard_numels has 2"),
-    "local_numels/too-big": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 4], torch.float32),
-                             ValueError, r"local_numels\[1\] = 4 exceeds shard_numels\[1\] = 3"),
-    "accumulate_into/numel": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 3], torch.float32,
-                                                                accumulate_into=[torch.zeros(2), torch.zeros(2)]),
-                              ValueError, r"accumulate_into\[1\] has 2 elements but local_numels\[1\] is 3"),
-    "accumulate_into/dtype": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 3], torch.float32,
-                                                                accumulate_into=[torch.zeros(2),
-                                                                                 torch.zeros(3, dtype=torch.float16)]),
-                              TypeError, r"accumulate_into\[1\] has dtype torch.float16"),
-    "accumulate_into/len": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 3], torch.float32,
-                                                              accumulate_into=[torch.zeros(2)]),
-                            ValueError, "accumulate_into has 1 tensors"),
-    "out/numel": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 3], torch.float32,
-                                                    out=[torch.zeros(2), torch.zeros(4)]),
-                  ValueError, r"out\[1\] has 4 elements but local_numels\[1\] is 3"),
-    "out/and-accumulate_into": (lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 3], torch.float32,
-                                                                  accumulate_into=[torch.zeros(2), torch.zeros(3)],
-                                                                  out=[torch.zeros(2), torch.zeros(3)]),
-                                ValueError, "takes accumulate_into or out, not both"),
+    "reduced/numel": (
+        lambda: K.reduce_scatter_copy_out(torch.zeros(4), [2, 3], [2, 3], torch.float32),
+        ValueError,
+        r"sum\(shard_numels\) = 5",
+    ),
+    "local_numels/len": (
+        lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2], torch.float32),
+        ValueError,
+        "local_numels has 1 entries but shard_numels has 2",
+    ),
+    "local_numels/too-big": (
+        lambda: K.reduce_scatter_copy_out(torch.zeros(5), [2, 3], [2, 4], torch.float32),
+        ValueError,
+        r"local_numels\[1\] = 4 exceeds shard_numels\[1\] = 3",
+    ),
+    "accumulate_into/numel": (
+        lambda: K.reduce_scatter_copy_out(
+            torch.zeros(5), [2, 3], [2, 3], torch.float32, accumulate_into=[torch.zeros(2), torch.zeros(2)]
+        ),
+        ValueError,
+        r"accumulate_into\[1\] has 2 elements but local_numels\[1\] is 3",
+    ),
+    "accumulate_into/dtype": (
+        lambda: K.reduce_scatter_copy_out(
+            torch.zeros(5),
+            [2, 3],
+            [2, 3],
+            torch.float32,
+            accumulate_into=[torch.zeros(2), torch.zeros(3, dtype=torch.float16)],
+        ),
+        TypeError,
+        r"accumulate_into\[1\] has dtype torch.float16",
+    ),
+    "accumulate_into/len": (
+        lambda: K.reduce_scatter_copy_out(
+            torch.zeros(5), [2, 3], [2, 3], torch.float32, accumulate_into=[torch.zeros(2)]
+        ),
+        ValueError,
+        "accumulate_into has 1 tensors",
+    ),
+    "out/numel": (
+        lambda: K.reduce_scatter_copy_out(
+            torch.zeros(5), [2, 3], [2, 3], torch.float32, out=[torch.zeros(2), torch.zeros(4)]
+        ),
+        ValueError,
+        r"out\[1\] has 4 elements but local_numels\[1\] is 3",
+    ),
+    "out/and-accumulate_into": (
+        lambda: K.reduce_scatter_copy_out(
+            torch.zeros(5),
+            [2, 3],
+            [2, 3],
+            torch.float32,
+            accumulate_into=[torch.zeros(2), torch.zeros(3)],
+            out=[torch.zeros(2), torch.zeros(3)],
+        ),
+        ValueError,
+        "takes accumulate_into or out, not both",
+    ),
 }
 
 
@@ -680,10 +873,27 @@ def test_kernel_compiles_for_h100(monkeypatch, tmp_path):
         pytest.skip(f"triton's offline compiler API is unavailable: {exc}")
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))
     kernel = _triton_launch.kernel_module(interpret=False).bucket_copy_kernel
-    signature = {"meta_ptr": "*i64", "item_start_ptr": "*i64", "num_params": "i32", "num_items": "i32",
-                 "num_segments": "i32", "divisor": "fp32"}
-    names = ["SRC_KIND", "DST_KIND", "CONVERT", "PAD", "DIVIDE", "ACCUMULATE", "SRC_ALIGN", "DST_ALIGN",
-             "SEARCH_STEPS", "ROWS", "BLOCK"]
+    signature = {
+        "meta_ptr": "*i64",
+        "item_start_ptr": "*i64",
+        "num_params": "i32",
+        "num_items": "i32",
+        "num_segments": "i32",
+        "divisor": "fp32",
+    }
+    names = [
+        "SRC_KIND",
+        "DST_KIND",
+        "CONVERT",
+        "PAD",
+        "DIVIDE",
+        "ACCUMULATE",
+        "SRC_ALIGN",
+        "DST_ALIGN",
+        "SEARCH_STEPS",
+        "ROWS",
+        "BLOCK",
+    ]
     signature.update({n: "constexpr" for n in names})
     f32, bf16, f16 = torch.float32, torch.bfloat16, torch.float16
     variants = [  # src, dst, pad, divide (0 none, 1 divide, 2 reciprocal multiply), accumulate, alignment (bytes)
@@ -693,14 +903,26 @@ def test_kernel_compiles_for_h100(monkeypatch, tmp_path):
         (f16, f16, False, 0, False, 2),
     ]
     for src, dst, pad, divide, accumulate, align in variants:
-        constexprs = dict(SRC_KIND=_triton_launch._KIND[src], DST_KIND=_triton_launch._KIND[dst],
-                          CONVERT=src != dst or divide or accumulate, PAD=pad, DIVIDE=divide, ACCUMULATE=accumulate,
-                          SRC_ALIGN=align, DST_ALIGN=align, SEARCH_STEPS=10, ROWS=1,
-                          BLOCK=_triton_launch.block_size(src, dst))
+        constexprs = dict(
+            SRC_KIND=_triton_launch._KIND[src],
+            DST_KIND=_triton_launch._KIND[dst],
+            CONVERT=src != dst or divide or accumulate,
+            PAD=pad,
+            DIVIDE=divide,
+            ACCUMULATE=accumulate,
+            SRC_ALIGN=align,
+            DST_ALIGN=align,
+            SEARCH_STEPS=10,
+            ROWS=1,
+            BLOCK=_triton_launch.block_size(src, dst),
+        )
         try:
             source = ASTSource(kernel, signature, constexprs=constexprs)
-            compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32),
-                                      options={"num_warps": _triton_launch.NUM_WARPS, "enable_fp_fusion": False})
+            compiled = triton.compile(
+                source,
+                target=GPUTarget("cuda", 90, 32),
+                options={"num_warps": _triton_launch.NUM_WARPS, "enable_fp_fusion": False},
+            )
         except (TypeError, RuntimeError) as exc:  # pragma: no cover - API drift / missing ptxas
             pytest.skip(f"offline compilation unavailable with this triton: {exc}")
         ptx = compiled.asm["ptx"]
@@ -721,25 +943,31 @@ def test_cuda_matches_reference():  # pragma: no cover - runs on GPU machines on
         for src_dtype, dtype in DTYPE_PAIRS:
             lengths, S = _bucket(world_size)
             shards = [values(src_dtype, max(L - i % 2, 0), seed=i) for i, L in enumerate(lengths)]
-            assert_bits_equal(K.all_gather_copy_in([s.to(device) for s in shards], lengths, dtype).cpu(),
-                              K.all_gather_copy_in_reference(shards, lengths, dtype))
+            assert_bits_equal(
+                K.all_gather_copy_in([s.to(device) for s in shards], lengths, dtype).cpu(),
+                K.all_gather_copy_in_reference(shards, lengths, dtype),
+            )
             gathered = values(src_dtype, world_size * S, seed=2)
             got = K.all_gather_copy_out(gathered.to(device), lengths, SHAPES, world_size, dtype)
-            assert_lists_bits_equal([t.cpu() for t in got],
-                                    K.all_gather_copy_out_reference(gathered, lengths, SHAPES, world_size, dtype))
+            assert_lists_bits_equal(
+                [t.cpu() for t in got], K.all_gather_copy_out_reference(gathered, lengths, SHAPES, world_size, dtype)
+            )
             grads = [values(src_dtype, n, seed=20 + i) for i, n in enumerate(NUMELS)]
             for divide_by in (3, 8):  # a division, and a power of two (multiplied by its reciprocal)
-                got = K.reduce_scatter_copy_in([g.to(device) for g in grads], lengths, world_size, dtype,
-                                               divide_by=divide_by)
-                assert_bits_equal(got.cpu(),
-                                  K.reduce_scatter_copy_in_reference(grads, lengths, world_size, dtype, divide_by))
+                got = K.reduce_scatter_copy_in(
+                    [g.to(device) for g in grads], lengths, world_size, dtype, divide_by=divide_by
+                )
+                assert_bits_equal(
+                    got.cpu(), K.reduce_scatter_copy_in_reference(grads, lengths, world_size, dtype, divide_by)
+                )
             reduced = values(src_dtype, S, seed=4)
             local = [max(L - 1, 0) for L in lengths]
             init = [values(dtype, n, seed=9 + i) for i, n in enumerate(local)]
             accs = [t.to(device) for t in init]
             K.reduce_scatter_copy_out(reduced.to(device), lengths, local, dtype, accumulate_into=accs)
-            assert_lists_bits_equal([a.cpu() for a in accs],
-                                    K.reduce_scatter_copy_out_reference(reduced, lengths, local, dtype, init))
+            assert_lists_bits_equal(
+                [a.cpu() for a in accs], K.reduce_scatter_copy_out_reference(reduced, lengths, local, dtype, init)
+            )
 
 
 @requires_triton

@@ -22,10 +22,15 @@ torch.compile(model, backend="compshard")(*batch).backward()
 
 
 def test_torch_logs_and_trace(tmp_path):
-    env = {**os.environ, "TORCH_LOGS": "+compshard", "TORCH_TRACE": str(tmp_path / "trace"),
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=ROOT,
-                          env=env)
+    env = {
+        **os.environ,
+        "TORCH_LOGS": "+compshard",
+        "TORCH_TRACE": str(tmp_path / "trace"),
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    }
+    done = subprocess.run(
+        [sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300, cwd=ROOT, env=env
+    )
     assert done.returncode == 0, done.stderr[-3000:]
     log = done.stderr
     assert "compshard: 3 buckets" in log
@@ -42,9 +47,16 @@ def test_torch_logs_and_trace(tmp_path):
                 start = line.index("{")
                 record = json.JSONDecoder().raw_decode(line[start:])[0]
                 artifacts[record["artifact"]["name"]] = record
-    assert {"compshard_plan", "compshard_forward_schedule", "compshard_forward_decisions",
-            "compshard_backward_schedule", "compshard_backward_decisions"} <= set(artifacts)
-    assert all("frame_id" in artifacts[name] for name in artifacts if name.startswith("compshard"))  # tied to the compile
+    assert {
+        "compshard_plan",
+        "compshard_forward_schedule",
+        "compshard_forward_decisions",
+        "compshard_backward_schedule",
+        "compshard_backward_decisions",
+    } <= set(artifacts)
+    assert all(
+        "frame_id" in artifacts[name] for name in artifacts if name.startswith("compshard")
+    )  # tied to the compile
 
 
 def test_a_compile_warning_points_at_the_users_line():

@@ -26,8 +26,20 @@ import compshard
 from compshard import eager_gather
 from tests.distributed import run_distributed
 from tests.real_models import BATCH, ZOO, RealModel, _generator
-from tests.test_real_models import (MODES, STEPS, WORLD_SIZE, _assert_parity, _attempt, _barrier, _compare,
-                                    _rank_rows, _split, adamw, train_reference, train_sharded)
+from tests.test_real_models import (
+    MODES,
+    STEPS,
+    WORLD_SIZE,
+    _assert_parity,
+    _attempt,
+    _barrier,
+    _compare,
+    _rank_rows,
+    _split,
+    adamw,
+    train_reference,
+    train_sharded,
+)
 
 BF16 = torch.bfloat16
 
@@ -55,12 +67,16 @@ def build_backward_in_forward(rows: int = BATCH):
 
 MODELS = {
     **{name: ZOO[name] for name in ("reentrant-checkpoint-mlp", "revnet", "llama-reentrant-ckpt")},
-    "backward-in-forward": RealModel("backward-in-forward", build_backward_in_forward,
-                                     "a backward inside the forward, graph kept"),
+    "backward-in-forward": RealModel(
+        "backward-in-forward", build_backward_in_forward, "a backward inside the forward, graph kept"
+    ),
 }
 # parameters each model gathers inside a backward (its uncompiled first step, every rank)
-GATHERED_IN_BACKWARD = {"reentrant-checkpoint-mlp": "blocks.", "revnet": "blocks.",
-                        "llama-reentrant-ckpt": "model.model.layers."}
+GATHERED_IN_BACKWARD = {
+    "reentrant-checkpoint-mlp": "blocks.",
+    "revnet": "blocks.",
+    "llama-reentrant-ckpt": "model.model.layers.",
+}
 
 
 def _gathered_in_backward(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> list[str]:
@@ -144,9 +160,12 @@ def worker(rank: int, world_size: int) -> dict:
         pristine, batch = spec.build()
         rows = _rank_rows(batch[0].size(0), world_size)
         if name in GATHERED_IN_BACKWARD:
-            def premise(pristine=pristine, local=_split(batch, rows)[rank]):
-                return {"names": _gathered_in_backward(compshard.shard(copy.deepcopy(pristine)), local),
-                        "params": sorted(n for n, _ in pristine.named_parameters())}
+
+            def premise(pristine=pristine, local=_split(batch, rows)[rank]):  # noqa: B008 - this model's rows, bound now
+                return {
+                    "names": _gathered_in_backward(compshard.shard(copy.deepcopy(pristine)), local),
+                    "params": sorted(n for n, _ in pristine.named_parameters()),
+                }
 
             results["gathered_in_backward"][name] = _attempt(premise)
             _barrier(f"nested/{name}/premise", rank, world_size)
@@ -154,8 +173,14 @@ def worker(rank: int, world_size: int) -> dict:
         for mode in MODES:
             torch._dynamo.reset()
 
-            def run(spec=spec, pristine=pristine, batch=batch, rows=rows, mode=mode,
-                    expected=(expected_losses, expected_states[rank])):
+            def run(
+                spec=spec,
+                pristine=pristine,
+                batch=batch,
+                rows=rows,
+                mode=mode,
+                expected=(expected_losses, expected_states[rank]),
+            ):
                 losses, state = train_sharded(spec, pristine, batch, rows, rank, mode=mode)
                 return _compare(losses, expected[0], state, expected[1])
 
@@ -198,7 +223,9 @@ def test_backward_with_create_graph_is_refused_naming_the_parameter():
     """The reduced gradient has no graph: a second-order use would be silently wrong."""
     for rank, result in enumerate(spawn()):
         assert "create_graph=True" in result["create_graph"] and "'2.weight'" in result["create_graph"], (
-            rank, result["create_graph"])
+            rank,
+            result["create_graph"],
+        )
 
 
 def test_a_gradient_lost_after_its_gather_is_reported_naming_the_parameter():
@@ -206,7 +233,9 @@ def test_a_gradient_lost_after_its_gather_is_reported_naming_the_parameter():
     ``.grad`` (here the reduced rows are thrown away) is an error, not ``grad=None``."""
     for rank, result in enumerate(spawn()):
         assert "'2.weight'" in result["lost_gradient"] and "'0.bias'" in result["lost_gradient"], (
-            rank, result["lost_gradient"])
+            rank,
+            result["lost_gradient"],
+        )
 
 
 def test_gpt2_tied_bf16_uncompiled_compiled_and_fsdp2_agree_bitwise():

@@ -27,8 +27,12 @@ def imported_modules(path: pathlib.Path) -> set[str]:
 
 
 def test_every_pass_of_the_pipelines_is_found():
-    assert {"compshard.passes.lower_unshard", "compshard.passes.coalesce_collectives", "compshard.passes.recompute",
-            "compshard.passes.keep_gathered"} <= PASSES
+    assert {
+        "compshard.passes.lower_unshard",
+        "compshard.passes.coalesce_collectives",
+        "compshard.passes.recompute",
+        "compshard.passes.keep_gathered",
+    } <= PASSES
 
 
 def test_no_pass_file_imports_another_pass_file():

@@ -6,20 +6,28 @@ from compshard.passes import PIPELINES
 
 # What each graph's pipeline starts from: the plans of the pipelines before it on the same
 # compile (the partition adds saved_count), or nothing for the first.
-UPSTREAM = {"dynamo": (), "joint": ("dynamo",), "forward": ("dynamo", "joint"), "backward": ("dynamo", "joint"),
-            "inference": ("dynamo",)}
+UPSTREAM = {
+    "dynamo": (),
+    "joint": ("dynamo",),
+    "forward": ("dynamo", "joint"),
+    "backward": ("dynamo", "joint"),
+    "inference": ("dynamo",),
+}
 COMPILE_FIELDS = ("buckets", "recompute", "saved_count")
 MADE_BY_THE_PARTITION = {"forward": ("saved_count",), "backward": ("saved_count",)}
 
 
 def test_every_plan_a_step_takes_is_made_before_it():
     for graph, steps in PIPELINES.items():
-        made = {step.provides for upstream in UPSTREAM[graph] for step in PIPELINES[upstream]
-                if step.provides in COMPILE_FIELDS} | set(MADE_BY_THE_PARTITION.get(graph, ()))
+        made = {
+            step.provides
+            for upstream in UPSTREAM[graph]
+            for step in PIPELINES[upstream]
+            if step.provides in COMPILE_FIELDS
+        } | set(MADE_BY_THE_PARTITION.get(graph, ()))
         for step in steps:
             missing = set(step.takes) - made
             if graph == "inference":  # no partition: nothing is saved for a backward
                 missing -= {"saved_count"}
             assert not missing, f"{graph}: {step.name} takes {sorted(missing)} before any step makes it"
             made.add(step.provides)
-

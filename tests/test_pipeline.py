@@ -12,23 +12,23 @@ import copy
 import io
 import pathlib
 import re
-from typing import Callable
+from collections.abc import Callable
 
 import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
 from torch._dynamo.utils import counters
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor
 
 import compshard
 from compshard.backend import record_compiles
 from compshard.grad_sync import grad_sync_state, reduce_accumulated_gradients
 from compshard.models import GPT, GPTConfig
-from compshard.pipeline_stages import build_stage_module, partition_stages
 from compshard.options import CompileOptions
 from compshard.pipeline import bubble_fraction, compiles_stage
+from compshard.pipeline_stages import build_stage_module, partition_stages
 from compshard.step_gather import gathered_for_step
 from tests.distributed import run_distributed
 from tests.models import make_model
@@ -184,11 +184,18 @@ PIPELINE_ADAMW = {**ADAMW, "eps": 1e-4}
 # of ops.exchanged_rows (its profiler range); an all-gather is compshard::gather_rows_
 # (ops.all_gathers_by_send_recv). Nothing else in a step exchanges or gathers rows.
 COLLECTIVES = {
-    "all_gathers": ("_c10d_functional::all_gather_into_tensor", "_c10d_functional::all_gather_into_tensor_out",
-                    "_c10d_functional::all_gather_into_tensor_coalesced", "compshard::gather_rows_"),
-    "reduce_scatters": ("_c10d_functional::reduce_scatter_tensor",
-                        "_c10d_functional::reduce_scatter_tensor_coalesced", "compshard::exchange_rows_",
-                        "compshard::exchanged_rows"),
+    "all_gathers": (
+        "_c10d_functional::all_gather_into_tensor",
+        "_c10d_functional::all_gather_into_tensor_out",
+        "_c10d_functional::all_gather_into_tensor_coalesced",
+        "compshard::gather_rows_",
+    ),
+    "reduce_scatters": (
+        "_c10d_functional::reduce_scatter_tensor",
+        "_c10d_functional::reduce_scatter_tensor_coalesced",
+        "compshard::exchange_rows_",
+        "compshard::exchanged_rows",
+    ),
 }
 
 
@@ -199,20 +206,38 @@ def _count_collectives(step: Callable[[], object]) -> dict[str, int]:
     return {kind: sum(event.name in names for event in profile.events()) for kind, names in COLLECTIVES.items()}
 
 
-def _train(rank: int, world_size: int, stages: int, microbatches: int, schedule: str, pp_mesh: bool,
-           compile: bool, reshard: str) -> dict:
+def _train(
+    rank: int,
+    world_size: int,
+    stages: int,
+    microbatches: int,
+    schedule: str,
+    pp_mesh: bool,
+    compile: bool,
+    reshard: str,
+) -> dict:
     """Train the test GPT with ``compshard.pipeline`` and report errors against eager
     (``pp_mesh``: pass a 1-D ``("pp",)`` mesh instead of letting it build one), the graphs
     compiled and the collectives of the last step."""
     reference, batch = make_model("gpt")
     model = copy.deepcopy(reference)
-    expected_losses = train_reference(reference, batch,
-                                      optimizer=torch.optim.AdamW(reference.parameters(), **PIPELINE_ADAMW))
+    expected_losses = train_reference(
+        reference, batch, optimizer=torch.optim.AdamW(reference.parameters(), **PIPELINE_ADAMW)
+    )
     replicas = world_size // stages
     x, y = local_batch(batch, rank % replicas, replicas)  # ranks are laid out (pp, dp), dp inner
     mesh = init_device_mesh("cpu", (stages,), mesh_dim_names=("pp",)) if pp_mesh else None
-    pipe = compshard.pipeline(model, gpt_loss, stages=stages, microbatches=microbatches, schedule=schedule,
-                              example_inputs=x, mesh=mesh, compile=compile, reshard=reshard)
+    pipe = compshard.pipeline(
+        model,
+        gpt_loss,
+        stages=stages,
+        microbatches=microbatches,
+        schedule=schedule,
+        example_inputs=x,
+        mesh=mesh,
+        compile=compile,
+        reshard=reshard,
+    )
     opt = torch.optim.AdamW(pipe.module.parameters(), **PIPELINE_ADAMW)
     losses = []
     captured_before = counters["stats"]["unique_graphs"]
@@ -263,7 +288,8 @@ def _reduce_accumulated_in_buckets(rank: int, world_size: int) -> dict:
         for micro_batch in zip(x.chunk(2), y.chunk(2)):
             model(*micro_batch).backward()
     reduce_scatters = _count_collectives(
-        lambda: reduce_accumulated_gradients(model, divide_by=2, bucket_bytes=BUCKET_BYTES))["reduce_scatters"]
+        lambda: reduce_accumulated_gradients(model, divide_by=2, bucket_bytes=BUCKET_BYTES)
+    )["reduce_scatters"]
     expected = {name: p.grad for name, p in reference.named_parameters() if p.requires_grad}
     got = {name: p.grad.full_tensor() for name, p in model.named_parameters() if p.requires_grad}
     return {
@@ -291,8 +317,11 @@ def _released_while_a_loss_is_held(rank: int, world_size: int) -> dict:
         reduce_accumulated_gradients(model, divide_by=2)
         held = {name: tensor.untyped_storage().nbytes() for name, tensor in gathered.items()}
     expected = {name: p.grad for name, p in reference.named_parameters()}
-    return {"held": held, "losses_held": all(loss.grad_fn is not None for loss in losses),
-            "grads": {name: relative_error(p.grad.full_tensor(), expected[name]) for name, p in model.named_parameters()}}
+    return {
+        "held": held,
+        "losses_held": all(loss.grad_fn is not None for loss in losses),
+        "grads": {name: relative_error(p.grad.full_tensor(), expected[name]) for name, p in model.named_parameters()},
+    }
 
 
 def _run_readme_example() -> str:
@@ -305,12 +334,18 @@ def _run_readme_example() -> str:
 
 
 CASES = {  # world size -> case -> (stages, microbatches, schedule, pass a 1-D pp mesh, compile, reshard)
-    2: {"1f1b": (2, 4, "1f1b", False, True, "per_step"), "gpipe": (2, 4, "gpipe", True, True, "per_step"),
-        "eager": (2, 4, "1f1b", False, False, "per_step")},
-    4: {"1f1b": (2, 2, "1f1b", False, True, "per_step"), "gpipe": (2, 4, "gpipe", False, True, "per_step"),
+    2: {
+        "1f1b": (2, 4, "1f1b", False, True, "per_step"),
+        "gpipe": (2, 4, "gpipe", True, True, "per_step"),
+        "eager": (2, 4, "1f1b", False, False, "per_step"),
+    },
+    4: {
+        "1f1b": (2, 2, "1f1b", False, True, "per_step"),
+        "gpipe": (2, 4, "gpipe", False, True, "per_step"),
         "eager": (2, 4, "1f1b", False, False, "per_step"),
         "1f1b-per-microbatch": (2, 4, "1f1b", False, True, "per_microbatch"),
-        "eager-per-microbatch": (2, 4, "gpipe", False, False, "per_microbatch")},
+        "eager-per-microbatch": (2, 4, "gpipe", False, False, "per_microbatch"),
+    },
 }
 
 
@@ -342,8 +377,9 @@ def _cases(world_size, case):
 
 # The (world size, case) pairs that exist; each world size spawns its processes once.
 WORLD_CASES = [(world_size, case) for world_size, cases in CASES.items() for case in cases]
-each_case = pytest.mark.parametrize(("world_size", "case"), WORLD_CASES,
-                                    ids=[f"world{n}-{case}" for n, case in WORLD_CASES])
+each_case = pytest.mark.parametrize(
+    ("world_size", "case"), WORLD_CASES, ids=[f"world{n}-{case}" for n, case in WORLD_CASES]
+)
 
 
 @each_case

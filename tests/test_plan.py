@@ -29,8 +29,9 @@ GLOBAL_BATCH = 8
 
 
 def _local_batch(cfg: GPTConfig, rank: int, world_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    tokens = torch.randint(0, cfg.vocab_size, (GLOBAL_BATCH, cfg.block_size + 1),
-                           generator=torch.Generator().manual_seed(1))
+    tokens = torch.randint(
+        0, cfg.vocab_size, (GLOBAL_BATCH, cfg.block_size + 1), generator=torch.Generator().manual_seed(1)
+    )
     return tokens[:, :-1].chunk(world_size)[rank], tokens[:, 1:].chunk(world_size)[rank]
 
 
@@ -57,8 +58,12 @@ def _measure_peak(rank: int, world_size: int):
 def test_predicted_peak_memory_is_within_10_percent_of_a_measured_run_at_world_size_2():
     measured = run_distributed(_measure_peak, 2)
     measured_peak = max(peak for peak, _ in measured)
-    report = compshard.plan(_meta_gpt(MEASURED_GPT), *_local_batch(MEASURED_GPT, 0, 2), world_size=2,
-                            hardware=Measured(measured[0][1], "gloo"))
+    report = compshard.plan(
+        _meta_gpt(MEASURED_GPT),
+        *_local_batch(MEASURED_GPT, 0, 2),
+        world_size=2,
+        hardware=Measured(measured[0][1], "gloo"),
+    )
     assert abs(report.memory.peak - measured_peak) <= 0.10 * measured_peak, (report.memory, measured_peak)
 
 
@@ -75,11 +80,13 @@ class _DetachedOutput(torch.nn.Module):
 
 def _plan_measured_on_every_rank(rank: int, world_size: int):
     """What each rank's compshard.plan(..., hardware="measured") returned or raised."""
-    report = compshard.plan(_meta_gpt(FOUR_BLOCKS), *_local_batch(FOUR_BLOCKS, rank, world_size),
-                            world_size=world_size, hardware="measured")
+    report = compshard.plan(
+        _meta_gpt(FOUR_BLOCKS), *_local_batch(FOUR_BLOCKS, rank, world_size), world_size=world_size, hardware="measured"
+    )
     try:
-        compshard.plan(_DetachedOutput(), torch.ones(2, 4), world_size=world_size, hardware="measured",
-                       tokens_per_rank=2)
+        compshard.plan(
+            _DetachedOutput(), torch.ones(2, 4), world_size=world_size, hardware="measured", tokens_per_rank=2
+        )
         error = None
     except ValueError as raised:
         error = str(raised)
@@ -149,9 +156,10 @@ def test_plan_counts_the_scratch_gloo_holds_for_collectives_in_flight():
     through_gloo, on_nccl = planned("gloo"), planned("nccl")
     buffers = [report.memory.collective_buffers for report in (through_gloo, on_nccl)]
     assert buffers[0] > buffers[1], buffers
-    for report, ops in ((through_gloo, {"reduce_scatter": "exchange_rows_", "all_gather": "gather_rows_"}),
-                        (on_nccl, {"reduce_scatter": "reduce_scatter_tensor",
-                                   "all_gather": "all_gather_into_tensor_out"})):
+    for report, ops in (
+        (through_gloo, {"reduce_scatter": "exchange_rows_", "all_gather": "gather_rows_"}),
+        (on_nccl, {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor_out"}),
+    ):
         for kind, op in ops.items():
             assert {c["op"] for c in report.schedule.collectives if c["kind"] == kind} == {op}, kind
 
@@ -170,15 +178,20 @@ def test_measured_plan_scales_each_graphs_op_timings_to_its_run_end_to_end(monke
     recorded.__wrapped__ = Measured.graph_seconds
     monkeypatch.setattr(Measured, "graph_seconds", recorded)
     model = _meta_gpt(GATHER_BOUND_GPT)
-    report = compshard.plan(model, *_local_batch(GATHER_BOUND_GPT, 0, 2), world_size=2,
-                            hardware=Measured(Costs(), "gloo"))
+    report = compshard.plan(
+        model, *_local_batch(GATHER_BOUND_GPT, 0, 2), world_size=2, hardware=Measured(Costs(), "gloo")
+    )
     assert set(runs) == set(report.schedule.graphs.values())
     ops = ("exchange_rows_", "gather_rows_")
     for kind, gm in report.schedule.graphs.items():
         assert any(op in str(node.target) for node in gm.graph.nodes for op in ops), kind
         assert runs[gm] is not None and runs[gm] > 0, kind
-        timed = [node for node in gm.graph.nodes if isinstance(node.target, torch._ops.OpOverload)
-                 and node_meta(node).kind not in (*COLLECTIVE_KINDS, "wait", "free")]
+        timed = [
+            node
+            for node in gm.graph.nodes
+            if isinstance(node.target, torch._ops.OpOverload)
+            and node_meta(node).kind not in (*COLLECTIVE_KINDS, "wait", "free")
+        ]
         assert sum(node_meta(node).seconds for node in timed) == pytest.approx(runs[gm]), kind
 
 
@@ -210,8 +223,11 @@ def test_measured_optimizer_is_torchs_run_on_the_shards_at_the_load_around_it(mo
     monkeypatch.setattr(Measured, "_flops_now", lambda self: next(readings) * self.costs.flops_per_second)
     shards = [((256, 256), torch.float32)] * 8
     machine = Measured(Costs(), "gloo")
-    adamw, sgd, adamw_at_tenfold_load = (machine.optimizer_seconds(shards, 2), machine.optimizer_seconds(shards, 0),
-                                         machine.optimizer_seconds(shards, 2))
+    adamw, sgd, adamw_at_tenfold_load = (
+        machine.optimizer_seconds(shards, 2),
+        machine.optimizer_seconds(shards, 0),
+        machine.optimizer_seconds(shards, 2),
+    )
     assert 0 < sgd < adamw, (sgd, adamw)
     assert adamw_at_tenfold_load > 3 * adamw, (adamw_at_tenfold_load, adamw)
     assert machine.optimizer_seconds(shards, 3) is None
@@ -232,11 +248,13 @@ def test_measured_plan_prices_the_optimizer_on_rank0s_shards(monkeypatch):
     monkeypatch.setattr(Measured, "optimizer_seconds", recorded)
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32)
     model = _meta_gpt(cfg)
-    report = compshard.plan(model, *_local_batch(cfg, 0, 2), world_size=2, hardware=Measured(Costs(), "gloo"),
-                            optimizer_states=1)
+    report = compshard.plan(
+        model, *_local_batch(cfg, 0, 2), world_size=2, hardware=Measured(Costs(), "gloo"), optimizer_states=1
+    )
     assert report.step.optimizer == 0.25
-    assert timed == [([((math.ceil(p.shape[0] / 2), *p.shape[1:]) if p.dim() else (), p.dtype)
-                       for p in model.parameters()], 1)]
+    assert timed == [
+        ([((math.ceil(p.shape[0] / 2), *p.shape[1:]) if p.dim() else (), p.dtype) for p in model.parameters()], 1)
+    ]
 
 
 def _rank0_shard_bytes(model: torch.nn.Module, shard_size: int) -> int:
@@ -259,10 +277,19 @@ UNJOINED = {"bucket_mb": 0.001}
 def plans():
     model = _meta_gpt(FOUR_BLOCKS)
     x, y = _local_batch(FOUR_BLOCKS, 0, 8)
-    exact = compshard.plan(model, x, y, world_size=16, options=UNJOINED, depth="exact", memory_budget_gib=1.0,
-                           candidates=[({}, {"recompute": "full"})])
-    hybrid = compshard.plan(model, x, y, world_size=16, options=UNJOINED, sharding={"strategy": "hybrid_shard"},
-                            depth="exact")
+    exact = compshard.plan(
+        model,
+        x,
+        y,
+        world_size=16,
+        options=UNJOINED,
+        depth="exact",
+        memory_budget_gib=1.0,
+        candidates=[({}, {"recompute": "full"})],
+    )
+    hybrid = compshard.plan(
+        model, x, y, world_size=16, options=UNJOINED, sharding={"strategy": "hybrid_shard"}, depth="exact"
+    )
     return model, x, exact, hybrid
 
 
@@ -300,18 +327,29 @@ def test_budget_recommends_the_fastest_fitting_candidate(plans):
     assert "fastest fitting" in str(report)
 
 
-@pytest.mark.parametrize("kwargs, message", [
-    ({"world_size": 0}, "world_size must be an int >= 1"),
-    ({"world_size": 8, "hardware": "tpu-v9"}, "hardware='tpu-v9' is not known"),
-    ({"world_size": 8, "sharding": {"mesh": None}}, "unknown sharding keyword"),
-    ({"world_size": 12, "sharding": {"strategy": "hybrid_shard"}}, "needs shard_group_size dividing"),
-    ({"world_size": 8, "options": {"prefetch": -1}}, "option 'prefetch' must be"),
-    ({"world_size": 8, "tp": 3, "tp_plan": gpt_plan}, "tp must be an int >= 1 dividing world_size=8"),
-    ({"world_size": 8, "tp": 2}, "tp=2 needs tp_plan"),
-    ({"world_size": 8, "tp_plan": gpt_plan}, "tp_plan is given but tp=1"),
-    ({"world_size": 8, "tp": 2, "tp_plan": gpt_plan, "shard_group_size": 2, "sharding": {"strategy": "hybrid_shard"}},
-     "'hybrid_shard' with tp > 1 is not planned yet"),
-])
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"world_size": 0}, "world_size must be an int >= 1"),
+        ({"world_size": 8, "hardware": "tpu-v9"}, "hardware='tpu-v9' is not known"),
+        ({"world_size": 8, "sharding": {"mesh": None}}, "unknown sharding keyword"),
+        ({"world_size": 12, "sharding": {"strategy": "hybrid_shard"}}, "needs shard_group_size dividing"),
+        ({"world_size": 8, "options": {"prefetch": -1}}, "option 'prefetch' must be"),
+        ({"world_size": 8, "tp": 3, "tp_plan": gpt_plan}, "tp must be an int >= 1 dividing world_size=8"),
+        ({"world_size": 8, "tp": 2}, "tp=2 needs tp_plan"),
+        ({"world_size": 8, "tp_plan": gpt_plan}, "tp_plan is given but tp=1"),
+        (
+            {
+                "world_size": 8,
+                "tp": 2,
+                "tp_plan": gpt_plan,
+                "shard_group_size": 2,
+                "sharding": {"strategy": "hybrid_shard"},
+            },
+            "'hybrid_shard' with tp > 1 is not planned yet",
+        ),
+    ],
+)
 def test_bad_arguments_name_the_option(kwargs, message):
     x, y = _local_batch(FOUR_BLOCKS, 0, 8)
     with pytest.raises(ValueError, match=message):

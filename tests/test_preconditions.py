@@ -122,9 +122,15 @@ def _routing_worker(rank: int, world_size: int) -> dict:
     reference.load_state_dict(rank0_init)
     _train_sgd_reference(reference, data)
     experts_hit = len(reference.moe.router(data[rank]).argmax(-1).unique())
-    return {"experts_hit": experts_hit, "initial_from_rank0": torch.equal(model.moe.weight, rank0_init["moe.weight"]),
-            **{f"{'compiled' if c else 'eager'}_{key}": relative_error(value, reference.state_dict()[key])
-               for c, state in results.items() for key, value in state.items()}}
+    return {
+        "experts_hit": experts_hit,
+        "initial_from_rank0": torch.equal(model.moe.weight, rank0_init["moe.weight"]),
+        **{
+            f"{'compiled' if c else 'eager'}_{key}": relative_error(value, reference.state_dict()[key])
+            for c, state in results.items()
+            for key, value in state.items()
+        },
+    }
 
 
 def test_data_dependent_reads_and_different_initializations_train_as_eager():
@@ -191,12 +197,19 @@ def _expert_modules_worker(rank: int, world_size: int) -> dict:
         torch.manual_seed(0)
         reference = ModuleListMoE(blocks)
         hit = [sorted(block.router(block.norm(data[rank])).argmax(-1).unique().tolist()) for block in reference.blocks]
-        trained = {compiled: _train_sgd(compshard.shard(copy.deepcopy(reference), **shard_options), data[rank], compiled)
-                   for compiled in (False, True)}
+        trained = {
+            compiled: _train_sgd(compshard.shard(copy.deepcopy(reference), **shard_options), data[rank], compiled)
+            for compiled in (False, True)
+        }
         _train_sgd_reference(reference, data)
-        results[case] = {"hit": hit, "errors": {
-            f"{'compiled' if c else 'eager'} {key}": relative_error(value, reference.state_dict()[key])
-            for c, state in trained.items() for key, value in state.items()}}
+        results[case] = {
+            "hit": hit,
+            "errors": {
+                f"{'compiled' if c else 'eager'} {key}": relative_error(value, reference.state_dict()[key])
+                for c, state in trained.items()
+                for key, value in state.items()
+            },
+        }
     return results
 
 

@@ -31,8 +31,9 @@ def test_readme_example_runs_under_torchrun(tmp_path):
     assert "all_gather" in done.stdout and "reduce_scatter" in done.stdout  # two ranks: sharded
 
 
-@pytest.mark.parametrize("block, processes", [pytest.param(b, n, id=f"{b.name}-{n}") for b in BLOCKS[1:]
-                                              for n in b.launches()])
+@pytest.mark.parametrize(
+    "block, processes", [pytest.param(b, n, id=f"{b.name}-{n}") for b in BLOCKS[1:] for n in b.launches()]
+)
 def test_other_readme_examples_run(tmp_path, block, processes):
     done = run(block, tmp_path, processes)
     assert done.returncode == 0, done.stderr[-3000:]

@@ -38,7 +38,8 @@ import os
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, NamedTuple
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import pytest
 import torch
@@ -90,10 +91,27 @@ class Group(NamedTuple):
 
 
 GROUPS: dict[str, Group] = {
-    "language": Group(("gpt2", "llama", "qwen2", "gemma2", "phi3", "gpt-neox", "llama-grad-ckpt", "olmo-clip-qkv",
-                       "deepseek-v3-mla", "bert", "t5", "qwen2-moe"), 60, 900),
-    "vision": Group(("torchvision-resnet18", "timm-resnet", "torchvision-vit", "timm-vit", "conv-bn", "inplace-mul"),
-                    60, 600),
+    "language": Group(
+        (
+            "gpt2",
+            "llama",
+            "qwen2",
+            "gemma2",
+            "phi3",
+            "gpt-neox",
+            "llama-grad-ckpt",
+            "olmo-clip-qkv",
+            "deepseek-v3-mla",
+            "bert",
+            "t5",
+            "qwen2-moe",
+        ),
+        60,
+        900,
+    ),
+    "vision": Group(
+        ("torchvision-resnet18", "timm-resnet", "torchvision-vit", "timm-vit", "conv-bn", "inplace-mul"), 60, 600
+    ),
     # Routing that differs between ranks may leave a rank inside a collective the other rank
     # never joins; after that the gloo pairs are unusable, so each mode gets its own spawn.
     "routed-compiled": Group((ROUTED,), 45, 180, ("compiled",)),
@@ -146,8 +164,9 @@ def _set_buffers(model: nn.Module, values: dict[str, torch.Tensor]) -> None:
             buffer.copy_(values[name])
 
 
-def train_reference(spec: RealModel, model: nn.Module, batch: tuple[torch.Tensor, ...],
-                    rows: tuple[int, ...]) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
+def train_reference(
+    spec: RealModel, model: nn.Module, batch: tuple[torch.Tensor, ...], rows: tuple[int, ...]
+) -> tuple[list[float], list[dict[str, torch.Tensor]]]:
     """Single-process eager training of the unsharded model: losses and the final state
     each rank should reach (the same for all ranks unless the model has BatchNorm)."""
     opt = adamw(model)
@@ -187,16 +206,24 @@ def _costs_for_mode(mode: str) -> contextlib.AbstractContextManager:
     return cost_model.assumed({dist.group.WORLD.group_name: cost_model.Costs(alpha=1e-3)})
 
 
-def train_sharded(spec: RealModel, pristine: nn.Module, batch: tuple[torch.Tensor, ...], rows: tuple[int, ...],
-                  rank: int, *, mode: str,
-                  kept: list[str] | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+def train_sharded(
+    spec: RealModel,
+    pristine: nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    rows: tuple[int, ...],
+    rank: int,
+    *,
+    mode: str,
+    kept: list[str] | None = None,
+) -> tuple[list[float], dict[str, torch.Tensor]]:
     """Shard a copy, train it on this rank's rows (``mode``: "eager", or a key of
     ``COMPILE_OPTIONS``); global losses and the full state. ``kept`` receives the buckets
     ``memory_budget_mb="auto"`` kept gathered."""
     with _costs_for_mode(mode), compshard.backend.record_compiles() as compiled:
         model = compshard.shard(copy.deepcopy(pristine))
-        step_model: Callable = model if mode == "eager" else torch.compile(
-            model, backend="compshard", options=COMPILE_OPTIONS[mode])
+        step_model: Callable = (
+            model if mode == "eager" else torch.compile(model, backend="compshard", options=COMPILE_OPTIONS[mode])
+        )
         opt = adamw(model)
         local, weight = _split(batch, rows)[rank], _weights(spec, rows)[rank]
         losses = []
@@ -209,8 +236,14 @@ def train_sharded(spec: RealModel, pristine: nn.Module, batch: tuple[torch.Tenso
             dist.all_reduce(total)
             losses.append(total.item() / len(rows))
     if kept is not None:
-        kept += sorted({name for graph in compiled if graph.plan.buckets is not None and graph.plan.buckets.budget
-                        for name in graph.plan.buckets.budget.kept})
+        kept += sorted(
+            {
+                name
+                for graph in compiled
+                if graph.plan.buckets is not None and graph.plan.buckets.budget
+                for name in graph.plan.buckets.budget.kept
+            }
+        )
     return losses, compshard.full_state_dict(model)
 
 
@@ -231,8 +264,13 @@ def _attempt(fn: Callable[[], dict]) -> dict:
         result = fn()
         result.update(error=None)
     except Exception as error:  # noqa: BLE001 - the error is the result the tests read
-        result = {"error": f"{type(error).__name__}: {str(error)[:1500]}", "error_type": type(error).__name__,
-                  "error_message": str(error), "error_time": time.time(), "traceback": traceback.format_exc()[-4000:]}
+        result = {
+            "error": f"{type(error).__name__}: {str(error)[:1500]}",
+            "error_type": type(error).__name__,
+            "error_message": str(error),
+            "error_time": time.time(),
+            "traceback": traceback.format_exc()[-4000:],
+        }
     result.update(seconds=time.time() - started, cpu_seconds=time.process_time() - cpu)
     return result
 
@@ -264,8 +302,7 @@ def _experts_hit(model: nn.Module, local: tuple[torch.Tensor, ...]) -> list[int]
     return hit
 
 
-def _premise(name: str, pristine: nn.Module, batch: tuple[torch.Tensor, ...], rows: tuple[int, ...],
-             rank: int) -> dict:
+def _premise(name: str, pristine: nn.Module, batch: tuple[torch.Tensor, ...], rows: tuple[int, ...], rank: int) -> dict:
     """Facts showing that what an entry is there to exercise happens in this run."""
     local = _split(batch, rows)[rank]
     if name in ("qwen2-moe", ROUTED):
@@ -315,7 +352,8 @@ def group_worker(rank: int, world_size: int, group: str, out_dir: str) -> dict:
             _barrier(f"{group}/{name}/{mode}", rank, world_size)
         if len(states) > 1 and all(state is not None for state in states.values()):
             results["compiled_vs_eager"][name] = {
-                key: relative_error(states["compiled"][key], value) for key, value in states["eager"].items()}
+                key: relative_error(states["compiled"][key], value) for key, value in states["eager"].items()
+            }
         _save(results, out_dir, rank)
     if group == "vision":  # cheap group: the unequal local batches ride along
         results["unequal"] = {}
@@ -325,8 +363,9 @@ def group_worker(rank: int, world_size: int, group: str, out_dir: str) -> dict:
             expected_losses, expected_states = train_reference(spec, copy.deepcopy(pristine), batch, rows)
             torch._dynamo.reset()
 
-            def run_unequal(spec=spec, pristine=pristine, batch=batch, rows=rows,
-                            expected=(expected_losses, expected_states)):
+            def run_unequal(
+                spec=spec, pristine=pristine, batch=batch, rows=rows, expected=(expected_losses, expected_states)
+            ):
                 losses, state = train_sharded(spec, pristine, batch, rows, rank, mode="compiled")
                 return _compare(losses, expected[0], state, expected[1][rank])
 
@@ -343,8 +382,9 @@ def group_results(group: str) -> tuple[list[dict], str | None]:
     _, pg_timeout, deadline, _ = GROUPS[group]
     with tempfile.TemporaryDirectory() as out_dir:
         try:
-            return run_distributed(group_worker, WORLD_SIZE, group, out_dir, timeout=deadline,
-                                   pg_timeout=pg_timeout), None
+            return run_distributed(
+                group_worker, WORLD_SIZE, group, out_dir, timeout=deadline, pg_timeout=pg_timeout
+            ), None
         except Exception as error:  # noqa: BLE001 - reported by every test of the group
             failure = f"spawn of group {group!r} failed: {type(error).__name__}: {str(error)[-3000:]}"
             partial = []
@@ -367,8 +407,10 @@ def _get(group: str, section: str, key: Any) -> list[dict]:
 def _assert_parity(rank: int, got: dict) -> None:
     assert got["error"] is None, f"rank {rank} raised {got['error']}\n{got.get('traceback', '')}"
     assert got["keys_match"], f"rank {rank}: state_dict keys differ from the unsharded model's"
-    assert got["loss"] <= RTOL, (f"rank {rank}: loss relative error {got['loss']:.2e} "
-                                 f"(losses {got['losses']}, expected {got['expected_losses']})")
+    assert got["loss"] <= RTOL, (
+        f"rank {rank}: loss relative error {got['loss']:.2e} "
+        f"(losses {got['losses']}, expected {got['expected_losses']})"
+    )
     worst = max(got["state"], key=got["state"].get)
     assert got["state"][worst] <= RTOL, f"rank {rank}: {worst} relative error {got['state'][worst]:.2e}"
 
@@ -445,7 +487,9 @@ def test_data_dependent_routing_trains_or_fails_alike_on_every_rank(mode):
             _assert_parity(rank, got)
         return
     assert all(errors), f"only some ranks raised: {errors}"
-    assert len({(a["error_type"], a["error_message"]) for a in attempts}) == 1, f"ranks raised different errors: {errors}"
+    assert len({(a["error_type"], a["error_message"]) for a in attempts}) == 1, (
+        f"ranks raised different errors: {errors}"
+    )
     times = [a["error_time"] for a in attempts]
     assert max(times) - min(times) <= TOGETHER_S, f"errors {max(times) - min(times):.1f}s apart: {errors}"
     message = attempts[0]["error_message"].lower()

@@ -73,10 +73,14 @@ def recompute_worker(rank: int, world_size: int) -> dict:
     model, batch = make_model("gpt")
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        report = compshard.inspect(compshard.shard(model), *local_batch(batch, rank, world_size),
-                                   options={"recompute": {"budget_mb": 0}})
-    results["infeasible"] = {"note": report.recompute, "report": str(report),
-                             "warned": [str(w.message) for w in caught if "recompute" in str(w.message)]}
+        report = compshard.inspect(
+            compshard.shard(model), *local_batch(batch, rank, world_size), options={"recompute": {"budget_mb": 0}}
+        )
+    results["infeasible"] = {
+        "note": report.recompute,
+        "report": str(report),
+        "warned": [str(w.message) for w in caught if "recompute" in str(w.message)],
+    }
     results["dropout"] = {policy: _dropout_run(rank, world_size, policy, DROPOUT_SEED) for policy in POLICIES}
     # eager, another seed: shows that dropout is active (the losses change with the seed)
     results["dropout"]["other seed"] = _dropout_run(rank, world_size, None, DROPOUT_SEED + 100)
@@ -109,8 +113,9 @@ def test_feasible_budget_is_respected(results):
         note = result["budget"]["note"]
         assert note.fits and not result["budget"]["warned"], f"rank {rank}: {note.describe()}"
         # the plan is an upper bound of what the partition saves (which may save a scalar less)
-        assert note.saved["activations"] <= note.planned_bytes <= result["budget"]["budget_mb"] * 2**20, \
+        assert note.saved["activations"] <= note.planned_bytes <= result["budget"]["budget_mb"] * 2**20, (
             f"rank {rank}: {note.describe()}"
+        )
 
 
 def test_infeasible_budget_is_reported(results):
@@ -126,7 +131,9 @@ def test_dropout_recomputes_to_the_same_values(results):
     for rank, result in enumerate(results):
         runs = result["dropout"]
         reference = runs["none"]
-        assert runs["other seed"]["losses"] != reference["losses"], "dropout must be active for this test to mean anything"
+        assert runs["other seed"]["losses"] != reference["losses"], (
+            "dropout must be active for this test to mean anything"
+        )
         for policy in POLICIES[1:]:
             assert runs[policy]["losses"] == pytest.approx(reference["losses"], rel=RTOL), f"rank {rank}: {policy}"
             for key, value in reference["params"].items():
@@ -137,8 +144,10 @@ def test_dropout_recomputes_to_the_same_values(results):
 # ------------------------------------------------------------------ no process group
 
 
-@pytest.mark.parametrize("value", ["some", "Full", {"budget_mb": -1}, {"budget_mb": "8"}, {"budget": 8},
-                                   {"budget_mb": 8, "x": 1}, True, None])
+@pytest.mark.parametrize(
+    "value",
+    ["some", "Full", {"budget_mb": -1}, {"budget_mb": "8"}, {"budget": 8}, {"budget_mb": 8, "x": 1}, True, None],
+)
 def test_bad_recompute_option_raises(value):
     with pytest.raises(ValueError, match=r"option 'recompute' must be 'none', 'full', 'selective' or \{'budget_mb'"):
         compshard.CompileOptions.from_dict({"recompute": value})
@@ -182,17 +191,24 @@ def test_block_raises_price_each_block_as_a_walk_of_the_whole_forward_does():
         for block, options in raises.raises.items():
             for option in options:
                 whole = policy.plan({block: option.level}, recompute.Level.SAVE)
-                compared.append(((option.freed_bytes, option.seconds),
-                                 (eager.saved_bytes - whole.saved_bytes,
-                                  pytest.approx(whole.recompute_seconds - eager.recompute_seconds))))
+                compared.append(
+                    (
+                        (option.freed_bytes, option.seconds),
+                        (
+                            eager.saved_bytes - whole.saved_bytes,
+                            pytest.approx(whole.recompute_seconds - eager.recompute_seconds),
+                        ),
+                    )
+                )
         assert raises.eager_bytes == eager.saved_bytes
         return min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
 
     torch.manual_seed(0)
     model = GPT(dataclasses.replace(TINY_GPT, dropout=0.1))
     x = torch.randint(0, TINY_GPT.vocab_size, (2, TINY_GPT.block_size))
-    compiled = torch.compile(model, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward),
-                                                 partition_fn=partition))
+    compiled = torch.compile(
+        model, backend=aot_autograd(fw_compiler=lambda gm, _: make_boxed_func(gm.forward), partition_fn=partition)
+    )
     compiled(x, x).backward()
     assert len(compared) == 4  # 2 blocks x (selective, full)
     assert all(freed > 0 for (freed, _), _ in compared)

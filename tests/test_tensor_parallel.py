@@ -74,23 +74,35 @@ def llama_plan(model: nn.Module, sequence_parallel: bool) -> dict:
     shape, which HF's position ids and mask are built from."""
     between = Shard(1) if sequence_parallel else Replicate()
     local = not sequence_parallel
-    plan = {"model.model.embed_tokens": RowwiseParallel(input_layouts=Replicate(), output_layouts=between,
-                                                        use_local_output=local),
-            "model.lm_head": ColwiseParallel(input_layouts=between, output_layouts=Replicate())}
+    plan = {
+        "model.model.embed_tokens": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=between, use_local_output=local
+        ),
+        "model.lm_head": ColwiseParallel(input_layouts=between, output_layouts=Replicate()),
+    }
     for i in range(len(model.model.model.layers)):
         layer = f"model.model.layers.{i}"
-        plan |= {f"{layer}.{name}": ColwiseParallel() for name in (
-            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
-        plan |= {f"{layer}.{name}": RowwiseParallel(output_layouts=between, use_local_output=local)
-                 for name in ("self_attn.o_proj", "mlp.down_proj")}
+        plan |= {
+            f"{layer}.{name}": ColwiseParallel()
+            for name in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")
+        }
+        plan |= {
+            f"{layer}.{name}": RowwiseParallel(output_layouts=between, use_local_output=local)
+            for name in ("self_attn.o_proj", "mlp.down_proj")
+        }
         if sequence_parallel:
-            plan |= {f"{layer}.input_layernorm": SequenceParallel(),
-                     f"{layer}.post_attention_layernorm": SequenceParallel(),
-                     f"{layer}.self_attn": PrepareModuleInput(
-                         input_kwarg_layouts={"hidden_states": Shard(1)},
-                         desired_input_kwarg_layouts={"hidden_states": Replicate()}, use_local_output=True),
-                     f"{layer}.mlp": PrepareModuleInput(
-                         input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True)}
+            plan |= {
+                f"{layer}.input_layernorm": SequenceParallel(),
+                f"{layer}.post_attention_layernorm": SequenceParallel(),
+                f"{layer}.self_attn": PrepareModuleInput(
+                    input_kwarg_layouts={"hidden_states": Shard(1)},
+                    desired_input_kwarg_layouts={"hidden_states": Replicate()},
+                    use_local_output=True,
+                ),
+                f"{layer}.mlp": PrepareModuleInput(
+                    input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_output=True
+                ),
+            }
     if sequence_parallel:
         plan["model.model.norm"] = SequenceParallel()
     return plan
@@ -122,8 +134,17 @@ def adamw_at(model: nn.Module, lr: float = ADAMW["lr"]) -> torch.optim.Optimizer
     return torch.optim.AdamW(model.parameters(), **(ADAMW | {"lr": lr}))
 
 
-def train_2d(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool, lr: float = ADAMW["lr"], *,
-             options: dict | None = None, optimizer: torch.optim.Optimizer | None = None, steps: int = STEPS) -> Run:
+def train_2d(
+    model: nn.Module,
+    batch: tuple,
+    mesh: DeviceMesh,
+    compiled: bool,
+    lr: float = ADAMW["lr"],
+    *,
+    options: dict | None = None,
+    optimizer: torch.optim.Optimizer | None = None,
+    steps: int = STEPS,
+) -> Run:
     """``steps`` AdamW steps (with ``optimizer``, a new one when None) on this dp rank's
     slice of ``batch``, clipped by ``compshard.clip_grad_norm_``."""
     step_model = torch.compile(model, backend="compshard", options=options) if compiled else model
@@ -138,18 +159,27 @@ def train_2d(model: nn.Module, batch: tuple, mesh: DeviceMesh, compiled: bool, l
         mean = loss.detach().to(torch.float32, copy=True)
         dist.all_reduce(mean)  # tp ranks hold the same loss: the mean over all ranks is the mean over dp
         losses.append(mean.item() / dist.get_world_size())
-    return Run(losses, full_parameters(model),
-               {name: tuple(p.placements) for name, p in model.named_parameters() if isinstance(p, DTensor)})
+    return Run(
+        losses,
+        full_parameters(model),
+        {name: tuple(p.placements) for name, p in model.named_parameters() if isinstance(p, DTensor)},
+    )
 
 
 def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter as a full tensor, by name (collective)."""
-    return {name: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach()
-            for name, p in model.named_parameters()}
+    return {
+        name: p.detach().full_tensor() if isinstance(p, DTensor) else p.detach() for name, p in model.named_parameters()
+    }
 
 
-def shard_2d(mode: str, model: nn.Module, mesh: DeviceMesh, param_dtype: torch.dtype | None = None,
-             reduce_dtype: torch.dtype | None = None) -> nn.Module:
+def shard_2d(
+    mode: str,
+    model: nn.Module,
+    mesh: DeviceMesh,
+    param_dtype: torch.dtype | None = None,
+    reduce_dtype: torch.dtype | None = None,
+) -> nn.Module:
     """``model`` (tensor-parallel already) sharded over ``mesh["dp"]``: by FSDP2 for
     ``"fsdp2"`` (each repeated block, then the root, as FSDP2 is applied), else by compshard;
     with the mixed-precision dtypes given."""
@@ -166,8 +196,14 @@ def _collectives(kind: str, graph: torch.fx.Graph) -> GraphCollectives:
     program = [n for n in graph.nodes if program_collective(n)]
     ours = [n for n in graph.nodes if node_meta(n).kind in COLLECTIVE_KINDS]
     waited = all(any(is_op(u, c10d.wait_tensor.default) for u in n.users) for n in program)
-    return GraphCollectives(kind, [n.name for n in program], {op_arg(n, "group_name") for n in program}, waited,
-                            [node_meta(n).kind for n in ours], {op_arg(n, "group_name") for n in ours})
+    return GraphCollectives(
+        kind,
+        [n.name for n in program],
+        {op_arg(n, "group_name") for n in program},
+        waited,
+        [node_meta(n).kind for n in ours],
+        {op_arg(n, "group_name") for n in ours},
+    )
 
 
 def _tensor_parallel_in_report(report: Report) -> tuple[set[str], set[str]]:
@@ -189,9 +225,12 @@ def _errors(mesh: DeviceMesh) -> dict[str, str]:
     flat = init_device_mesh("cpu", (DP * TP,), mesh_dim_names=("all",))
     on_2d = nn.Linear(4, 4)
     on_2d.weight = nn.Parameter(distribute_tensor(torch.ones(4, 4), mesh, [Replicate(), Replicate()]))
-    cases = {"partial": (partial, mesh["dp"]), "2-D": (on_2d, mesh["dp"]),
-             "default mesh": (parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel()), None),
-             "other mesh": (parallelize_module(nn.Linear(4, 4), flat, ColwiseParallel()), mesh["dp"])}
+    cases = {
+        "partial": (partial, mesh["dp"]),
+        "2-D": (on_2d, mesh["dp"]),
+        "default mesh": (parallelize_module(nn.Linear(4, 4), mesh["tp"], ColwiseParallel()), None),
+        "other mesh": (parallelize_module(nn.Linear(4, 4), flat, ColwiseParallel()), mesh["dp"]),
+    }
     for case, (module, dp_mesh) in cases.items():
         try:
             compshard.shard(module, mesh=dp_mesh)
@@ -219,8 +258,14 @@ def _gpt(mesh: DeviceMesh) -> dict:
             runs[mode] = train_2d(replica, batch, mesh, compiled=mode == "compiled")
     graphs = [_collectives(g.kind, g.gm.graph) for g in recorded]
     groups = {"dp": mesh["dp"].get_group().group_name, "tp": mesh["tp"].get_group().group_name}
-    return {"runs": runs, "graphs": graphs, "groups": groups, "errors": _errors(mesh), "uneven": _uneven(mesh),
-            "report": _tensor_parallel_in_report(Report(list(recorded)))}
+    return {
+        "runs": runs,
+        "graphs": graphs,
+        "groups": groups,
+        "errors": _errors(mesh),
+        "uneven": _uneven(mesh),
+        "report": _tensor_parallel_in_report(Report(list(recorded))),
+    }
 
 
 def _llama(mesh: DeviceMesh) -> dict:
@@ -229,8 +274,9 @@ def _llama(mesh: DeviceMesh) -> dict:
     for sequence_parallel in (False, True):
         for mode in ("fsdp2", "eager", "compiled"):
             replica = parallelize_module(copy.deepcopy(model), mesh["tp"], llama_plan(model, sequence_parallel))
-            runs[mode, sequence_parallel] = train_2d(shard_2d(mode, replica, mesh), batch, mesh,
-                                                   compiled=mode == "compiled", lr=LLAMA_LR)
+            runs[mode, sequence_parallel] = train_2d(
+                shard_2d(mode, replica, mesh), batch, mesh, compiled=mode == "compiled", lr=LLAMA_LR
+            )
     return runs
 
 

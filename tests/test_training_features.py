@@ -34,8 +34,10 @@ PARITY_KEYS = ("loss", "params", "keys_match")
 
 def _global_error(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     """Norm-wise relative error over all parameters together."""
-    return relative_error(torch.cat([actual[k].flatten().double() for k in expected]),
-                          torch.cat([v.flatten().double() for v in expected.values()]))
+    return relative_error(
+        torch.cat([actual[k].flatten().double() for k in expected]),
+        torch.cat([v.flatten().double() for v in expected.values()]),
+    )
 
 
 class CollectiveCounter(TorchDispatchMode):
@@ -115,14 +117,17 @@ def _mixed_precision(rank: int, world_size: int) -> dict:
                     module._buffers[key] = buffer.to(buffer_dtype) if torch.is_floating_point(buffer) else buffer
         key = (name, output_dtype)
         if key not in fsdp_runs:
-            fsdp = fully_shard(copy.deepcopy(reference), mp_policy=MixedPrecisionPolicy(
-                param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=output_dtype))
+            fsdp = fully_shard(
+                copy.deepcopy(reference),
+                mp_policy=MixedPrecisionPolicy(param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=output_dtype),
+            )
             losses, dtype, _ = _train_mp(fsdp, list(fsdp.parameters()), batch, rank, world_size)
             fsdp_runs[key] = losses, dtype, {k: p.full_tensor() for k, p in fsdp.named_parameters()}
         torch._dynamo.reset()
         model, batch = _mp_model(name)
-        compshard.shard(model, param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=output_dtype,
-                        buffer_dtype=buffer_dtype)
+        compshard.shard(
+            model, param_dtype=BF16, reduce_dtype=torch.float32, output_dtype=output_dtype, buffer_dtype=buffer_dtype
+        )
         step_model = torch.compile(model, backend="compshard") if compiled else model
         losses, dtype, opt = _train_mp(step_model, list(model.parameters()), batch, rank, world_size)
         expected_losses, expected_dtype, expected = fsdp_runs[key]
@@ -131,18 +136,23 @@ def _mixed_precision(rank: int, world_size: int) -> dict:
             "loss": max(relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, expected_losses)),
             "params": _global_error(full, expected),
             "output_dtype": (dtype, expected_dtype),
-            "master_dtypes": sorted({str(t.dtype) for p in model.parameters() for t in (p, *opt.state[p].values())
-                                     if t.dim() > 0}),
+            "master_dtypes": sorted(
+                {str(t.dtype) for p in model.parameters() for t in (p, *opt.state[p].values()) if t.dim() > 0}
+            ),
             "buffer_dtypes": sorted(str(b.dtype) for b in model.buffers() if torch.is_floating_point(b)),
         }
     torch._dynamo.reset()
     model, batch = make_model("mlp")
     compshard.shard(model, param_dtype=BF16, reduce_dtype=torch.float32)
     report = compshard.inspect(model, *local_batch(batch, rank, world_size))
-    results["collective_dtypes"] = sorted({
-        (node_meta(node).kind, str(node.meta["val"].dtype))
-        for gm in report.graphs.values() for node in gm.graph.nodes
-        if node_meta(node).kind in ("all_gather", "reduce_scatter")})
+    results["collective_dtypes"] = sorted(
+        {
+            (node_meta(node).kind, str(node.meta["val"].dtype))
+            for gm in report.graphs.values()
+            for node in gm.graph.nodes
+            if node_meta(node).kind in ("all_gather", "reduce_scatter")
+        }
+    )
     return results
 
 
@@ -154,8 +164,9 @@ ACCUMULATION_STEPS = 2
 
 def _reductions_compiled(graphs: list) -> int:
     """Gradient reductions (reduce-scatter and all-reduce starts) in compiled graphs."""
-    return sum(1 for g in graphs for node in g.gm.graph.nodes
-               if node_meta(node).kind in ("reduce_scatter", "all_reduce"))
+    return sum(
+        1 for g in graphs for node in g.gm.graph.nodes if node_meta(node).kind in ("reduce_scatter", "all_reduce")
+    )
 
 
 def _accumulate(name: str, rank: int, world_size: int, compiled: bool) -> dict:
@@ -199,8 +210,10 @@ def _accumulate(name: str, rank: int, world_size: int, compiled: bool) -> dict:
         dist.all_reduce(loss)
         losses.append(loss.item() / world_size)
     full = compshard.full_state_dict(model)
-    reductions = {phase: _reductions_compiled(graphs) if compiled else counter.reductions()
-                  for phase, (counter, graphs) in phases.items()}
+    reductions = {
+        phase: _reductions_compiled(graphs) if compiled else counter.reductions()
+        for phase, (counter, graphs) in phases.items()
+    }
     return {
         "loss": max(relative_error(torch.tensor(a), torch.tensor(b)) for a, b in zip(losses, expected_losses)),
         "params": {key: relative_error(full[key], value) for key, value in reference.state_dict().items()},
@@ -221,9 +234,12 @@ def _schedule(model, batch, rank: int, world_size: int) -> dict:
     """The (graph, collective kind) pairs compiled, and (kind, size of its process group);
     one collective per bucket (no coalescing), so the order of reductions is per bucket."""
     report = compshard.inspect(model, *local_batch(batch, rank, world_size), options={"coalesce": "none"})
-    sizes = {(node_meta(node).kind, dist.get_world_size(compshard.ops.resolve_group(op_arg(node, "group_name"))))
-             for gm in report.graphs.values() for node in gm.graph.nodes
-             if node_meta(node).kind in ("all_gather", "reduce_scatter", "all_reduce")}
+    sizes = {
+        (node_meta(node).kind, dist.get_world_size(compshard.ops.resolve_group(op_arg(node, "group_name"))))
+        for gm in report.graphs.values()
+        for node in gm.graph.nodes
+        if node_meta(node).kind in ("all_gather", "reduce_scatter", "all_reduce")
+    }
     kinds = {(c["graph"], c["kind"]) for c in report.collectives if c["kind"] != "free"}
     reductions: dict = {}  # backward: gradient collective starts and their waits, in graph order
     sequence = []
@@ -234,8 +250,12 @@ def _schedule(model, batch, rank: int, world_size: int) -> dict:
             sequence.append(kind)
         elif kind == "wait" and node.args[0] in reductions:
             sequence.append(f"wait {reductions[node.args[0]]}")
-    return {"kinds": sorted(kinds), "group_sizes": sorted(sizes), "header": str(report).splitlines()[0],
-            "reductions": sequence}
+    return {
+        "kinds": sorted(kinds),
+        "group_sizes": sorted(sizes),
+        "header": str(report).splitlines()[0],
+        "reductions": sequence,
+    }
 
 
 def _held_fraction(model, batch, rank: int, world_size: int) -> float:
@@ -363,8 +383,9 @@ def test_no_sync_compiles_one_graph_per_mode(world2):
         assert world2[0][case]["graph_kinds"] == ["backward", "backward", "forward", "forward"]
 
 
-@pytest.mark.parametrize("strategy, case", [(s, _case(*c)) for s in ("shard_grad_op", "no_shard")
-                                            for c in STRATEGY_PARITY[s]])
+@pytest.mark.parametrize(
+    "strategy, case", [(s, _case(*c)) for s in ("shard_grad_op", "no_shard") for c in STRATEGY_PARITY[s]]
+)
 def test_strategy_matches_single_process_eager(world2, strategy, case):
     _check_parity([result[strategy][case] for result in world2])
 
@@ -385,12 +406,19 @@ def _check_parity(results: list[dict]) -> None:
 def test_strategy_schedules(world2, world4):
     schedules = {s: world2[0][s]["schedule"] for s in ("full_shard", "shard_grad_op", "no_shard")}
     schedules["hybrid_shard"] = world4[0]["hybrid_shard"]["schedule"]
-    assert schedules["full_shard"]["kinds"] == [("backward", "all_gather"), ("backward", "reduce_scatter"),
-                                                ("forward", "all_gather")]
+    assert schedules["full_shard"]["kinds"] == [
+        ("backward", "all_gather"),
+        ("backward", "reduce_scatter"),
+        ("forward", "all_gather"),
+    ]
     assert schedules["shard_grad_op"]["kinds"] == [("backward", "reduce_scatter"), ("forward", "all_gather")]
     assert schedules["no_shard"]["kinds"] == [("backward", "all_reduce")]
-    assert schedules["hybrid_shard"]["kinds"] == [("backward", "all_gather"), ("backward", "all_reduce"),
-                                                  ("backward", "reduce_scatter"), ("forward", "all_gather")]
+    assert schedules["hybrid_shard"]["kinds"] == [
+        ("backward", "all_gather"),
+        ("backward", "all_reduce"),
+        ("backward", "reduce_scatter"),
+        ("forward", "all_gather"),
+    ]
     # hybrid: gathers and reduce-scatters within a shard group of 2, all-reduces across 2 replicas
     assert schedules["hybrid_shard"]["group_sizes"] == [("all_gather", 2), ("all_reduce", 2), ("reduce_scatter", 2)]
     assert schedules["no_shard"]["group_sizes"] == [("all_reduce", 2)]
@@ -460,11 +488,17 @@ def test_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_memory
 @pytest.mark.parametrize(
     "kwargs, error, message",
     [
-        ({"strategy": "zero3"}, ValueError,
-         "strategy='zero3' is not allowed; use one of ['full_shard', 'shard_grad_op', 'no_shard', 'hybrid_shard']"),
+        (
+            {"strategy": "zero3"},
+            ValueError,
+            "strategy='zero3' is not allowed; use one of ['full_shard', 'shard_grad_op', 'no_shard', 'hybrid_shard']",
+        ),
         ({"strategy": "hybrid_shard"}, ValueError, "strategy='hybrid_shard' needs mesh=<2-D DeviceMesh>"),
-        ({"strategy": "shard_grad_op", "reshard_after_forward": True}, ValueError,
-         "reshard_after_forward=True contradicts it"),
+        (
+            {"strategy": "shard_grad_op", "reshard_after_forward": True},
+            ValueError,
+            "reshard_after_forward=True contradicts it",
+        ),
         ({"output_dtype": torch.int8}, ValueError, "output_dtype=torch.int8 is not allowed; use None or one of"),
         ({"buffer_dtype": "half"}, ValueError, "buffer_dtype='half' is not allowed"),
         ({"cast_forward_inputs": None}, TypeError, "cast_forward_inputs must be True or False"),

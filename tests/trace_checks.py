@@ -15,16 +15,24 @@ def check_trace(events: list[dict], measured: bool) -> dict[str, int]:
     assert len(pids) == len(names), "process names are unique"
     for graph in ("forward", "backward"):
         process = pids[f"estimated {graph}"]
-        threads = {e["tid"]: e["args"]["name"] for e in events
-                   if e["pid"] == process and e["ph"] == "M" and e["name"] == "thread_name"}
+        threads = {
+            e["tid"]: e["args"]["name"]
+            for e in events
+            if e["pid"] == process and e["ph"] == "M" and e["name"] == "thread_name"
+        }
         assert sorted(threads.values()) == ["comm", "compute"]
         spans = [e for e in events if e["pid"] == process and e["ph"] == "X"]
         assert spans and all(e["tid"] in threads and e["dur"] >= 0 for e in spans)
         counters = {e["name"] for e in events if e["pid"] == process and e["ph"] == "C"}
         assert counters == {"estimated live bytes", "bytes in flight"}
-        assert all(isinstance(e["args"]["bytes"], int) and e["args"]["bytes"] >= 0
-                   for e in events if e["pid"] == process and e["ph"] == "C")
-        assert max(e["args"]["bytes"] for e in events if e["pid"] == process and e["name"] == "estimated live bytes") > 0
+        assert all(
+            isinstance(e["args"]["bytes"], int) and e["args"]["bytes"] >= 0
+            for e in events
+            if e["pid"] == process and e["ph"] == "C"
+        )
+        assert (
+            max(e["args"]["bytes"] for e in events if e["pid"] == process and e["name"] == "estimated live bytes") > 0
+        )
     # one time origin: the estimated step and the measured one both start at 0
     forward = [e["ts"] for e in events if e["pid"] == pids["estimated forward"] and e["ph"] == "X"]
     backward = [e["ts"] for e in events if e["pid"] == pids["estimated backward"] and e["ph"] == "X"]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import copy
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
@@ -36,8 +36,12 @@ def adamw(model: nn.Module) -> torch.optim.Optimizer:
 
 
 def train_reference(
-    model: nn.Module, batch: tuple[torch.Tensor, ...], steps: int = STEPS, *,
-    optimizer: torch.optim.Optimizer | None = None, max_grad_norm: float | None = None,
+    model: nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    steps: int = STEPS,
+    *,
+    optimizer: torch.optim.Optimizer | None = None,
+    max_grad_norm: float | None = None,
 ) -> list[float]:
     """Eager training of the unsharded model (with ``optimizer``, a new AdamW when None;
     gradients clipped by torch when ``max_grad_norm`` is given); return the losses."""
@@ -55,9 +59,16 @@ def train_reference(
 
 
 def train_sharded(
-    model: nn.Module, batch: tuple[torch.Tensor, ...], rank: int, world_size: int, *,
-    compile_options: dict | None = None, compiled: bool = True, steps: int = STEPS,
-    optimizer: torch.optim.Optimizer | None = None, max_grad_norm: float | None = None,
+    model: nn.Module,
+    batch: tuple[torch.Tensor, ...],
+    rank: int,
+    world_size: int,
+    *,
+    compile_options: dict | None = None,
+    compiled: bool = True,
+    steps: int = STEPS,
+    optimizer: torch.optim.Optimizer | None = None,
+    max_grad_norm: float | None = None,
 ) -> tuple[list[float], torch.optim.Optimizer]:
     """Train an already sharded model on this rank's slice (with ``optimizer``, a new
     AdamW when None; gradients clipped by compshard when ``max_grad_norm`` is given);

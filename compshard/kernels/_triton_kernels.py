@@ -105,8 +105,16 @@ def _narrow_exact(v, KIND: tl.constexpr):
     return y
 
 
-def _convert(x, acc, divisor, SRC_KIND: tl.constexpr, DST_KIND: tl.constexpr,
-             CONVERT: tl.constexpr, DIVIDE: tl.constexpr, ACCUMULATE: tl.constexpr):
+def _convert(
+    x,
+    acc,
+    divisor,
+    SRC_KIND: tl.constexpr,
+    DST_KIND: tl.constexpr,
+    CONVERT: tl.constexpr,
+    DIVIDE: tl.constexpr,
+    ACCUMULATE: tl.constexpr,
+):
     """``x.to(dst)``, then ``/ divide_by``, then ``acc + ...``; one rounding per step.
 
     DIVIDE 1: IEEE division by ``divisor`` (the divisor itself). DIVIDE 2: ``divisor``

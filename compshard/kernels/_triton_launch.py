@@ -190,7 +190,8 @@ def launch(
         return
     rows = INTERPRET_ROWS if interpret and total_items > INTERPRET_ROWS_ABOVE else 1
     meta = _device_meta(
-        (*src_addrs, *dst_addrs, *seg_lens, *valids, *src_rank_strides, *dst_rank_strides, *item_starts), device)
+        (*src_addrs, *dst_addrs, *seg_lens, *valids, *src_rank_strides, *dst_rank_strides, *item_starts), device
+    )
     module = kernel_module(interpret)
     src_itemsize = src_dtype.itemsize
     dst_itemsize = dst_dtype.itemsize

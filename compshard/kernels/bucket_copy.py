@@ -74,8 +74,10 @@ def select_backend(device: torch.device, tensors: Sequence[torch.Tensor] = ()) -
             return "triton"
         if not _warned_no_triton:
             _warned_no_triton = True
-            warn("compshard.kernels: triton is not installed; bucket copies on CUDA use the slower torch reference",
-                 RuntimeWarning)
+            warn(
+                "compshard.kernels: triton is not installed; bucket copies on CUDA use the slower torch reference",
+                RuntimeWarning,
+            )
         return "reference"
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1" and _triton_launch.triton_available():
         return "interpreter"
@@ -88,7 +90,8 @@ def _check_out_buffer(out: torch.Tensor, numel: int, dtype: torch.dtype, device:
     if out.dim() != 1 or out.numel() != numel or out.dtype != dtype or out.device != device or not out.is_contiguous():
         raise ValueError(
             f"out must be a contiguous 1-D {dtype} tensor of {numel} elements on {device}, "
-            f"got {tuple(out.shape)} {out.dtype} on {out.device} (contiguous={out.is_contiguous()})")
+            f"got {tuple(out.shape)} {out.dtype} on {out.device} (contiguous={out.is_contiguous()})"
+        )
 
 
 def _empty_bucket_error(name: str) -> ValueError:
@@ -239,9 +242,7 @@ def reduce_scatter_copy_in(
     numels = [g.numel() for g in grads]
     for i, (n, length) in enumerate(zip(numels, layout.shard_numels)):
         if n > world_size * length:
-            raise ValueError(
-                f"grads[{i}] has {n} elements but shard_numels[{i}] * world_size = {length * world_size}"
-            )
+            raise ValueError(f"grads[{i}] has {n} elements but shard_numels[{i}] * world_size = {length * world_size}")
     backend = select_backend(device, grads)
     if backend == "reference":
         return reduce_scatter_copy_in_reference(grads, layout.shard_numels, world_size, dtype, divide_by)

@@ -31,8 +31,12 @@ import torch
 
 from ._checks import _layout
 
-__all__ = ["all_gather_copy_in_reference", "all_gather_copy_out_reference", "reduce_scatter_copy_in_reference",
-           "reduce_scatter_copy_out_reference"]
+__all__ = [
+    "all_gather_copy_in_reference",
+    "all_gather_copy_out_reference",
+    "reduce_scatter_copy_in_reference",
+    "reduce_scatter_copy_out_reference",
+]
 
 
 def _segments(flat: torch.Tensor, used: Sequence[int], lengths: Sequence[int]) -> list[torch.Tensor]:
@@ -122,9 +126,12 @@ def reduce_scatter_copy_in_reference(
     layout = _layout(tuple(shard_numels))
     device = grads[0].device if len(grads) else None
     buffer = torch.empty(world_size, layout.total, dtype=dtype, device=device)
-    blocks = [torch.cat(_padded([grad.reshape(-1)], [world_size * length])).view(world_size, length)
-              if grad.numel() < world_size * length else grad.view(world_size, length)
-              for grad, length in zip(grads, shard_numels)]
+    blocks = [
+        torch.cat(_padded([grad.reshape(-1)], [world_size * length])).view(world_size, length)
+        if grad.numel() < world_size * length
+        else grad.view(world_size, length)
+        for grad, length in zip(grads, shard_numels)
+    ]
     if divide_by is not None and all(block.dtype == dtype for block in blocks):
         for block, columns in zip(blocks, buffer.split(list(shard_numels), dim=1)):
             torch.div(block, float(divide_by), out=columns)

@@ -83,25 +83,61 @@ class Step:
     def __post_init__(self) -> None:
         for name in (*self.takes, *([self.provides] if self.provides else [])):
             if name not in _COMPILE_FIELDS | _GRAPH_FIELDS:
-                raise TypeError(f"compshard: step {self.name} names {name!r}, which is not a plan field; plan "
-                                f"fields are {sorted(_COMPILE_FIELDS | _GRAPH_FIELDS)}")
+                raise TypeError(
+                    f"compshard: step {self.name} names {name!r}, which is not a plan field; plan "
+                    f"fields are {sorted(_COMPILE_FIELDS | _GRAPH_FIELDS)}"
+                )
 
 
 PIPELINES: dict[GraphKind, tuple[Step, ...]] = {
     "dynamo": (Step(dedupe_unshard),),
-    "joint": (Step(drop_redundant_clones), Step(assign_buckets, "buckets"), Step(keep_gathered, "buckets"),
-              Step(tag_gathered_params), Step(recompute, "recompute")),
-    "forward": (Step(agree_shapes), Step(coalesce_collectives, "coalescing"), Step(lower_unshard),
-                Step(agree_lowered_shapes), Step(estimate_costs), Step(prefetch, "prefetch"), Step(insert_free),
-                Step(estimate_memory, "peak_bytes"), Step(check_schedule, "fingerprint"), Step(restore_shapes)),
-    "backward": (Step(agree_shapes), Step(coalesce_collectives, "coalescing"), Step(lower_unshard),
-                 Step(lower_reduce_grad), Step(agree_lowered_shapes), Step(estimate_costs), Step(prefetch, "prefetch"),
-                 Step(bound_gradient_reductions), Step(insert_free), Step(estimate_memory, "peak_bytes"),
-                 Step(check_schedule, "fingerprint"), Step(restore_shapes)),
-    "inference": (Step(drop_redundant_clones), Step(assign_buckets, "buckets"), Step(agree_shapes),
-                  Step(coalesce_collectives, "coalescing"), Step(lower_unshard), Step(agree_lowered_shapes),
-                  Step(estimate_costs), Step(prefetch, "prefetch"), Step(insert_free),
-                  Step(estimate_memory, "peak_bytes"), Step(check_schedule, "fingerprint"), Step(restore_shapes)),
+    "joint": (
+        Step(drop_redundant_clones),
+        Step(assign_buckets, "buckets"),
+        Step(keep_gathered, "buckets"),
+        Step(tag_gathered_params),
+        Step(recompute, "recompute"),
+    ),
+    "forward": (
+        Step(agree_shapes),
+        Step(coalesce_collectives, "coalescing"),
+        Step(lower_unshard),
+        Step(agree_lowered_shapes),
+        Step(estimate_costs),
+        Step(prefetch, "prefetch"),
+        Step(insert_free),
+        Step(estimate_memory, "peak_bytes"),
+        Step(check_schedule, "fingerprint"),
+        Step(restore_shapes),
+    ),
+    "backward": (
+        Step(agree_shapes),
+        Step(coalesce_collectives, "coalescing"),
+        Step(lower_unshard),
+        Step(lower_reduce_grad),
+        Step(agree_lowered_shapes),
+        Step(estimate_costs),
+        Step(prefetch, "prefetch"),
+        Step(bound_gradient_reductions),
+        Step(insert_free),
+        Step(estimate_memory, "peak_bytes"),
+        Step(check_schedule, "fingerprint"),
+        Step(restore_shapes),
+    ),
+    "inference": (
+        Step(drop_redundant_clones),
+        Step(assign_buckets, "buckets"),
+        Step(agree_shapes),
+        Step(coalesce_collectives, "coalescing"),
+        Step(lower_unshard),
+        Step(agree_lowered_shapes),
+        Step(estimate_costs),
+        Step(prefetch, "prefetch"),
+        Step(insert_free),
+        Step(estimate_memory, "peak_bytes"),
+        Step(check_schedule, "fingerprint"),
+        Step(restore_shapes),
+    ),
 }
 
 

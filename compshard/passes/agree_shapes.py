@@ -137,9 +137,17 @@ def _agree(graph: fx.Graph, keep_local: bool) -> None:
             set_node_meta(node, agreed_seconds=max(per_rank))
     local = _local_shard_nodes(graph) if keep_local else set()
     for node, own, target in zip(nodes, shapes, agreed):
-        if own is not None and target is not None and own != target and node not in local and all(
-                isinstance(t, FakeTensor) for t in torch.utils._pytree.tree_leaves(node.meta["val"])
-                if isinstance(t, torch.Tensor)):
+        if (
+            own is not None
+            and target is not None
+            and own != target
+            and node not in local
+            and all(
+                isinstance(t, FakeTensor)
+                for t in torch.utils._pytree.tree_leaves(node.meta["val"])
+                if isinstance(t, torch.Tensor)
+            )
+        ):
             set_node_meta(node, stashed_val=node.meta["val"])
             node.meta["val"] = _stand_in(node.meta["val"], target)
 

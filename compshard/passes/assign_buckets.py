@@ -57,7 +57,8 @@ class BucketParam:
 
 def _pattern_module(param: str, patterns: list[str]) -> str | None:
     return outermost_match(module_of(param), patterns) or (
-        param if any(fnmatch.fnmatchcase(param, pattern) for pattern in patterns) else None)
+        param if any(fnmatch.fnmatchcase(param, pattern) for pattern in patterns) else None
+    )
 
 
 def _named_groups(params: list[BucketParam], options) -> list[tuple[str | None, list[BucketParam]]]:
@@ -107,13 +108,23 @@ def plan_buckets(params: list[BucketParam], options, last_in_forward: str | None
         for k, key in enumerate(keys):
             suffix = f"#{k}" if len(keys) > 1 else ""
             planned.append((name + suffix, [p for p in members if p.key == key]))
-    kept = {name for name, members in planned  # one rank gathers nothing: nothing to keep
-            if any(p.name == last_in_forward and p.key[1] > 1 for p in members)}
-    return BucketPlan(tuple(
-        Bucket(i, name, tuple(p.name for p in members), sum(p.nbytes for p in members),
-               keep_gathered=name in kept or all(p.keep for p in members))
-        for i, (name, members) in enumerate(planned)
-    ))
+    kept = {
+        name
+        for name, members in planned  # one rank gathers nothing: nothing to keep
+        if any(p.name == last_in_forward and p.key[1] > 1 for p in members)
+    }
+    return BucketPlan(
+        tuple(
+            Bucket(
+                i,
+                name,
+                tuple(p.name for p in members),
+                sum(p.nbytes for p in members),
+                keep_gathered=name in kept or all(p.keep for p in members),
+            )
+            for i, (name, members) in enumerate(planned)
+        )
+    )
 
 
 def _last_used_in_forward(graph: fx.Graph) -> str | None:

@@ -103,8 +103,11 @@ def _check_invariants(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan | N
             waits = [u for u in node.users if is_op(u, c10d.wait_tensor.default)]
             if len(waits) != 1 or len(node.users) != 1:
                 raise ScheduleError(f"{ctx.graph} graph: collective {node.name} must have exactly one user, its wait")
-        if is_op(node, c10d.wait_tensor.default) and scheduled_kind(first_arg(node)) not in _STARTS \
-                and not program_collective(first_arg(node)):
+        if (
+            is_op(node, c10d.wait_tensor.default)
+            and scheduled_kind(first_arg(node)) not in _STARTS
+            and not program_collective(first_arg(node))
+        ):
             raise ScheduleError(f"{ctx.graph} graph: wait {node.name} does not follow a collective start")
     kept = {bucket.name: bucket.keep_gathered for bucket in buckets or ()}
     saved = _saved_for_backward(graph, ctx, saved_count)
@@ -115,14 +118,22 @@ def _check_invariants(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan | N
                 if user.op != "output" and order[user] < order[buffer]:
                     raise ScheduleError(f"{ctx.graph} graph: {user.name} uses {buffer.name} before its wait")
                 if scheduled_kind(user) == "free":
-                    late = [end.name for a in group for u in a.users if u not in group
-                            for end in reads_until(u) if order[end] > order[user]]
+                    late = [
+                        end.name
+                        for a in group
+                        for u in a.users
+                        if u not in group
+                        for end in reads_until(u)
+                        if order[end] > order[user]
+                    ]
                     if late:
                         raise ScheduleError(f"{ctx.graph} graph: {late} use {buffer.name} after its free")
         meta = node_meta(buffer)
         if any(alias in saved for alias in group) and not all(kept[name] for name in meta.buckets):
-            raise ScheduleError(f"forward graph saves gathered parameter(s) {list(meta.params)} for backward "
-                                f"although their bucket {meta.bucket} is resharded after forward")
+            raise ScheduleError(
+                f"forward graph saves gathered parameter(s) {list(meta.params)} for backward "
+                f"although their bucket {meta.bucket} is resharded after forward"
+            )
 
 
 def _saved_for_backward(graph: fx.Graph, ctx: PassContext, saved_count: int | None) -> set[fx.Node]:
@@ -131,7 +142,7 @@ def _saved_for_backward(graph: fx.Graph, ctx: PassContext, saved_count: int | No
     (``saved_count``, counted at the partition). Empty for other graphs."""
     count = (saved_count or 0) if ctx.graph == "forward" else 0
     outputs = output_values(graph)
-    return {value for value in outputs[len(outputs) - count:] if isinstance(value, fx.Node)} if count else set()
+    return {value for value in outputs[len(outputs) - count :] if isinstance(value, fx.Node)} if count else set()
 
 
 def _check_inflight(graph: fx.Graph, ctx: PassContext) -> None:
@@ -142,8 +153,10 @@ def _check_inflight(graph: fx.Graph, ctx: PassContext) -> None:
         if kind in _STARTS:
             inflight[kind][node] = node_meta(node).bytes
             if len(inflight[kind]) > 1 and sum(inflight[kind].values()) > bound:
-                raise ScheduleError(f"{ctx.graph} graph: {sum(inflight[kind].values())} bytes of {kind} in flight at "
-                                    f"{node.name}, over max_inflight_mb={ctx.options.max_inflight_mb}")
+                raise ScheduleError(
+                    f"{ctx.graph} graph: {sum(inflight[kind].values())} bytes of {kind} in flight at "
+                    f"{node.name}, over max_inflight_mb={ctx.options.max_inflight_mb}"
+                )
         elif kind == "wait":
             for started in inflight.values():
                 started.pop(first_arg(node), None)
@@ -160,13 +173,14 @@ def _collective_starts(entries: list[tuple]) -> list[tuple]:
 def _compare_across_ranks(starts: list[tuple], group_name: str, ctx: PassContext) -> None:
     """Compare this graph's collective ``starts`` with every rank's of ``group_name``; a
     difference names the first differing one."""
-    sequence, everyone = exchange_across_ranks("compshard", group_name, (ctx.graph, starts),
-                                               f"a {ctx.graph} schedule")
+    sequence, everyone = exchange_across_ranks("compshard", group_name, (ctx.graph, starts), f"a {ctx.graph} schedule")
     reference = everyone[0][1]
     for other_rank, (graph, other) in enumerate(everyone):
         if graph != ctx.graph:
-            raise ScheduleError(f"compshard: schedule #{sequence}: rank 0 compiled a {everyone[0][0]} graph, "
-                                f"rank {other_rank} a {graph} graph")
+            raise ScheduleError(
+                f"compshard: schedule #{sequence}: rank 0 compiled a {everyone[0][0]} graph, "
+                f"rank {other_rank} a {graph} graph"
+            )
         if other == reference:
             continue
         index = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
@@ -190,8 +204,9 @@ def check_schedule(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan | None
         group_name = collective_group(graph)
         if group_name:
             _compare_across_ranks(_collective_starts(entries), group_name, ctx)
-        program = [(op_arg(node, "group_name"), _program_kind(node)) for node in graph.nodes
-                   if program_collective(node)]
+        program = [
+            (op_arg(node, "group_name"), _program_kind(node)) for node in graph.nodes if program_collective(node)
+        ]
         for other in dict.fromkeys(name for name, _ in program):  # in graph order: the same on every rank
             if other != group_name:
                 _compare_across_ranks([(kind, (), 0) for name, kind in program if name == other], other, ctx)

@@ -142,8 +142,12 @@ class PeakModel:
     before compute that follows it); the caller then prices each plan with
     ``lowered_peak``."""
 
-    def __init__(self, size: int, lowered: dict[tuple[str, str], _Lowered],
-                 read: list[tuple[int, int, int, list[tuple[str, str]]]]) -> None:
+    def __init__(
+        self,
+        size: int,
+        lowered: dict[tuple[str, str], _Lowered],
+        read: list[tuple[int, int, int, list[tuple[str, str]]]],
+    ) -> None:
         self.size = size
         self.lowered = lowered
         self.read = read  # (allocated at, bytes, last other use, buckets whose packs read it) per storage
@@ -169,8 +173,10 @@ class PeakModel:
                     parts[meta.collective]["pack"] = node
                 elif is_op(node, *_UNPACKS):
                     parts[meta.collective]["unpack"] = node
-        last_compute = max((order[n] for n in nodes if n.op == "call_function" and scheduled_kind(n) is None
-                            and not is_view(n)), default=-1)
+        last_compute = max(
+            (order[n] for n in nodes if n.op == "call_function" and scheduled_kind(n) is None and not is_view(n)),
+            default=-1,
+        )
         lowered: dict[tuple[str, str], _Lowered] = {}
         for part in parts.values():
             if not {"start", "wait", "pack", "unpack"} <= part.keys() or len(part["buckets"]) != 1:
@@ -182,13 +188,24 @@ class PeakModel:
             in_place = part["kind"] == "all_gather" or is_op(start, compshard_ops.exchange_rows_.default)
             output = 0 if in_place else nbytes(start.meta["val"])
             if part["kind"] == "reduce_scatter" and (
-                    events.release_index(pack) != order[unpack if in_place else start] or order[wait] <= last_compute
-                    or (not in_place and events.release_index(start) != order[unpack])):
+                events.release_index(pack) != order[unpack if in_place else start]
+                or order[wait] <= last_compute
+                or (not in_place and events.release_index(start) != order[unpack])
+            ):
                 return None
             if buffer == 0 or scratch % buffer:
                 return None
-            record = _Lowered(order[pack], order[start], order[wait], order[unpack], buffer, in_place, output,
-                              scratch // buffer, unpacked)
+            record = _Lowered(
+                order[pack],
+                order[start],
+                order[wait],
+                order[unpack],
+                buffer,
+                in_place,
+                output,
+                scratch // buffer,
+                unpacked,
+            )
             for node in part["nodes"]:
                 (record.front if order[node] <= order[start] else record.back).append(order[node])
             lowered[(part["kind"], part["buckets"][0])] = record
@@ -250,8 +267,9 @@ class PeakModel:
                 for record in records:
                     for nbytes_, dies in record.unpacked:
                         hold(back.unpack, dies, nbytes_)
-                    for index in (record.front if record is not front else []) + \
-                            (record.back if record is not back else []):
+                    for index in (record.front if record is not front else []) + (
+                        record.back if record is not back else []
+                    ):
                         exists[index] = False
                 for name in names:
                     pack_at[(kind, name)] = front.pack
@@ -271,8 +289,13 @@ def _key(marker: fx.Node) -> tuple:
         gather = unshard_args(marker)
         return gather.group_name, gather.world_size, marker.meta["val"].dtype
     reduction = reduce_grad_args(marker)
-    return (reduction.group_name, reduction.world_size, reduction.reduce_dtype, reduction.replicate_group,
-            marker.meta["val"].dtype)
+    return (
+        reduction.group_name,
+        reduction.world_size,
+        reduction.reduce_dtype,
+        reduction.replicate_group,
+        marker.meta["val"].dtype,
+    )
 
 
 def _buckets_in_need_order(graph: fx.Graph, buckets: BucketPlan, kind: str) -> list[tuple[Bucket, list[fx.Node]]]:
@@ -281,8 +304,10 @@ def _buckets_in_need_order(graph: fx.Graph, buckets: BucketPlan, kind: str) -> l
     order = node_order(graph)
     if kind == "all_gather":
         markers = [n for n in graph.nodes if is_op(n, compshard_ops.unshard.default) and gathered_remotely(n)]
-        return sorted(members_by_bucket(markers, buckets),
-                      key=lambda pair: min(order[user] for member in pair[1] for user in member.users))
+        return sorted(
+            members_by_bucket(markers, buckets),
+            key=lambda pair: min(order[user] for member in pair[1] for user in member.users),
+        )
     markers = [n for n in graph.nodes if is_op(n, compshard_ops.reduce_grad.default) and reduced_in_bucket(n)]
     return sorted(members_by_bucket(markers, buckets), key=lambda pair: max(order[member] for member in pair[1]))
 
@@ -309,10 +334,13 @@ def coalesce_collectives(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan)
     for kind, pairs in needed.items():  # all-gathers first: the reduce-scatters are tried with them
         collectives: list[list[tuple[Bucket, list[fx.Node]]]] = []
         for k, pair in enumerate(pairs):
-            if collectives and _key(collectives[-1][0][1][0]) == _key(pair[1][0]) \
-                    and sum(bucket.nbytes for bucket, _ in collectives[-1]) + pair[0].nbytes <= cap:
+            if (
+                collectives
+                and _key(collectives[-1][0][1][0]) == _key(pair[1][0])
+                and sum(bucket.nbytes for bucket, _ in collectives[-1]) + pair[0].nbytes <= cap
+            ):
                 joined = [*collectives[:-1], [*collectives[-1], pair]]
-                alone_after = [[later] for later in pairs[k + 1:]]
+                alone_after = [[later] for later in pairs[k + 1 :]]
                 if estimated_peak({**plan, kind: _names(joined + alone_after)}) <= bound:
                     collectives = joined
                     continue

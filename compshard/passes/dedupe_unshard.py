@@ -33,8 +33,16 @@ def dedupe_unshard(graph: fx.Graph, ctx: PassContext) -> None:
         # forward folds its accumulated gradient in (see compshard.grad_sync); the merged
         # reads share it.
         args = unshard_args(node)
-        key = (tuple(args.full_shape), args.world_size, args.group_name, args.param, args.param_dtype,
-               args.reduce_dtype, args.reshard_after_forward, args.replicate_group)
+        key = (
+            tuple(args.full_shape),
+            args.world_size,
+            args.group_name,
+            args.param,
+            args.param_dtype,
+            args.reduce_dtype,
+            args.reshard_after_forward,
+            args.replicate_group,
+        )
         if key in first:
             node.replace_all_uses_with(first[key])
             graph.erase_node(node)

@@ -32,13 +32,45 @@ from compshard.compile_plan import (
 from compshard.module_tree import repeated_block, repeated_containers
 from compshard.ops import ReduceGradArgs, UnshardArgs
 
-__all__ = ["aten", "c10d", "compshard_ops", "prims",
-           "first_arg", "op_arg", "unshard_args", "unshard_group", "reduce_grad_args", "output_values", "producer",
-           "is_op", "is_view", "scheduled_kind", "node_order", "first_use", "aliases", "gathered_chain",
-           "backward_nodes", "restore_stashed_vals", "fake_mode_of", "FakeValues", "emit", "hoist_before",
-           "sink_before", "program_collective", "reads_until", "collective_group", "CollectiveGroup", "waited",
-           "collective_groups", "start_gathers_at_waits", "gathered_buffers", "escapes", "members_by_bucket",
-           "collective_members", "block_of_nodes"]
+__all__ = [
+    "aten",
+    "c10d",
+    "compshard_ops",
+    "prims",
+    "first_arg",
+    "op_arg",
+    "unshard_args",
+    "unshard_group",
+    "reduce_grad_args",
+    "output_values",
+    "producer",
+    "is_op",
+    "is_view",
+    "scheduled_kind",
+    "node_order",
+    "first_use",
+    "aliases",
+    "gathered_chain",
+    "backward_nodes",
+    "restore_stashed_vals",
+    "fake_mode_of",
+    "FakeValues",
+    "emit",
+    "hoist_before",
+    "sink_before",
+    "program_collective",
+    "reads_until",
+    "collective_group",
+    "CollectiveGroup",
+    "waited",
+    "collective_groups",
+    "start_gathers_at_waits",
+    "gathered_buffers",
+    "escapes",
+    "members_by_bucket",
+    "collective_members",
+    "block_of_nodes",
+]
 
 aten = torch.ops.aten
 prims = torch.ops.prims
@@ -75,8 +107,14 @@ def unshard_args(node: fx.Node) -> UnshardArgs:
 def unshard_group(graph: fx.Graph) -> str:
     """The process group of the graph's first ``compshard::unshard`` that names one
     (``""``: none does)."""
-    return next((unshard_args(node).group_name for node in graph.nodes
-                 if is_op(node, compshard_ops.unshard.default) and unshard_args(node).group_name), "")
+    return next(
+        (
+            unshard_args(node).group_name
+            for node in graph.nodes
+            if is_op(node, compshard_ops.unshard.default) and unshard_args(node).group_name
+        ),
+        "",
+    )
 
 
 def reduce_grad_args(node: fx.Node) -> ReduceGradArgs:
@@ -159,8 +197,11 @@ def backward_nodes(graph: fx.Graph) -> set[fx.Node]:
     """Joint-graph nodes that depend on a tangent or that AOTAutograd tagged as backward."""
     backward: set[fx.Node] = set()
     for node in graph.nodes:
-        if (node.op == "placeholder" and node.name.startswith("tangents")) or \
-                node.meta.get("partitioner_tag") == "is_backward" or any(n in backward for n in node.all_input_nodes):
+        if (
+            (node.op == "placeholder" and node.name.startswith("tangents"))
+            or node.meta.get("partitioner_tag") == "is_backward"
+            or any(n in backward for n in node.all_input_nodes)
+        ):
             backward.add(node)
     return backward
 
@@ -207,12 +248,25 @@ def _value_key(node: fx.Node) -> tuple:
     """The metadata an op's fake result depends on: shape, strides, offset, dtype, device
     (symbolic sizes by their expressions: hashing or comparing a SymInt would guard)."""
     leaves, spec = torch.utils._pytree.tree_flatten(node.meta["val"])
-    return (str(spec), *((tuple(map(str, t.shape)), tuple(map(str, t.stride())), str(t.storage_offset()), t.dtype,
-                          t.device) if isinstance(t, torch.Tensor) else str(t) for t in leaves))
+    return (
+        str(spec),
+        *(
+            (tuple(map(str, t.shape)), tuple(map(str, t.stride())), str(t.storage_offset()), t.dtype, t.device)
+            if isinstance(t, torch.Tensor)
+            else str(t)
+            for t in leaves
+        ),
+    )
 
 
-def emit(graph: fx.Graph, target: Any, args: tuple, kwargs: dict | None = None, meta: NodeMeta | None = None,
-         fake_values: FakeValues | None = None) -> fx.Node:
+def emit(
+    graph: fx.Graph,
+    target: Any,
+    args: tuple,
+    kwargs: dict | None = None,
+    meta: NodeMeta | None = None,
+    fake_values: FakeValues | None = None,
+) -> fx.Node:
     """Create ``target(*args, **kwargs)`` at the graph's insertion point, with
     ``meta["val"]`` (from ``fake_values`` when given) and ``meta``."""
     kwargs = kwargs or {}
@@ -276,9 +330,13 @@ def program_collective(node: fx.Node) -> bool:
     parallelism's, which DTensor traced into the graph as functional collectives. Passes
     never move, drop or reorder these; the collective reads its input until its wait."""
     target = node.target
-    return (node.op == "call_function" and isinstance(target, torch._ops.OpOverload)
-            and target.namespace == "_c10d_functional" and target is not c10d.wait_tensor.default
-            and scheduled_kind(node) is None)
+    return (
+        node.op == "call_function"
+        and isinstance(target, torch._ops.OpOverload)
+        and target.namespace == "_c10d_functional"
+        and target is not c10d.wait_tensor.default
+        and scheduled_kind(node) is None
+    )
 
 
 def reads_until(node: fx.Node) -> list[fx.Node]:
@@ -377,8 +435,9 @@ def members_by_bucket(markers: list[fx.Node], buckets: BucketPlan) -> list[tuple
     return list(groups.values())
 
 
-def collective_members(markers: list[fx.Node], buckets: BucketPlan, coalescing: Coalescing | None,
-                       kind: str) -> list[list[tuple[Bucket, list[fx.Node]]]]:
+def collective_members(
+    markers: list[fx.Node], buckets: BucketPlan, coalescing: Coalescing | None, kind: str
+) -> list[list[tuple[Bucket, list[fx.Node]]]]:
     """The buckets of ``markers`` grouped by the collective of ``kind`` ("all_gather" or
     "reduce_scatter") they share in ``coalescing``, each bucket alone where it has none."""
     plan = coalescing.collectives(kind) if coalescing is not None else ()

@@ -35,5 +35,9 @@ def insert_free(graph: fx.Graph, ctx: PassContext) -> None:
         meta = node_meta(buffer)
         with graph.inserting_after(last):
             freed = "buffer" if meta.kind == "wait" else "params"
-            emit(graph, compshard_ops.free.default, (buffer,),
-                 meta=NodeMeta("free", meta.params, meta.bytes, meta.collective, freed=freed))
+            emit(
+                graph,
+                compshard_ops.free.default,
+                (buffer,),
+                meta=NodeMeta("free", meta.params, meta.bytes, meta.collective, freed=freed),
+            )

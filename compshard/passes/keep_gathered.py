@@ -127,8 +127,9 @@ def _agreed(trade: BlockRaises, group_name: str) -> BlockRaises:
     if group is None or dist.get_world_size(group) == 1:
         return trade
     figures = {(block, r.level): (r.freed_bytes, r.seconds) for block, raised in trade.raises.items() for r in raised}
-    _, everyone = exchange_across_ranks("compshard-memory-budget", group_name, figures,
-                                        "a joint graph with memory_budget_mb='auto'")
+    _, everyone = exchange_across_ranks(
+        "compshard-memory-budget", group_name, figures, "a joint graph with memory_budget_mb='auto'"
+    )
 
     def agreed(block: str, own: BlockRaise) -> BlockRaise:
         ranks = [rank.get((block, own.level), figures[block, own.level]) for rank in everyone]
@@ -144,16 +145,23 @@ def _auto(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> BucketPlan:
     trade = _agreed(block_raises(graph, ctx.options.recompute, chains), unshard_group(graph))
     candidates = _candidates(unshards, buckets, trade.block_of)
     if trade.optional:
-        choices = [_choose(candidates, {block: r for block, options in trade.raises.items() for r in options
-                                        if r.level == level}, chosen=True) for level in (Level.SELECTIVE, Level.FULL)]
+        choices = [
+            _choose(
+                candidates,
+                {block: r for block, options in trade.raises.items() for r in options if r.level == level},
+                chosen=True,
+            )
+            for level in (Level.SELECTIVE, Level.FULL)
+        ]
         best = max([_choose(candidates, {}, chosen=True), *choices], key=lambda c: c.seconds_saved)
         for block in reversed(list(best.raises)):  # drop the raises the kept buckets do not need
             trial = _choose(candidates, {b: r for b, r in best.raises.items() if b != block}, chosen=True)
             if trial.seconds_saved >= best.seconds_saved:
                 best = trial
     else:
-        best = _choose(candidates, {block: options[0] for block, options in trade.raises.items() if options},
-                       chosen=False)
+        best = _choose(
+            candidates, {block: options[0] for block, options in trade.raises.items() if options}, chosen=False
+        )
     kept = set(best.kept)
     budget = MemoryBudget(
         kept=best.kept,

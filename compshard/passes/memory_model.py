@@ -35,8 +35,15 @@ from compshard.passes.fx_utils import (
 )
 from compshard.sizes import nbytes
 
-__all__ = ["HELD_OUTSIDE", "LiveProfile", "Storages", "backend_scratch_bytes", "live_bytes", "mark_held_outside",
-           "storages"]
+__all__ = [
+    "HELD_OUTSIDE",
+    "LiveProfile",
+    "Storages",
+    "backend_scratch_bytes",
+    "live_bytes",
+    "mark_held_outside",
+    "storages",
+]
 
 HELD_OUTSIDE = "compshard_held_outside"  # node.meta key of a backward input held outside it (mark_held_outside)
 
@@ -50,8 +57,11 @@ def mark_held_outside(forward: fx.Graph, backward: fx.Graph) -> None:
     cheaper than its start by the shards' bytes, and coalescing would join collectives
     that raise the real peak."""
     roots = storages(forward, count_inputs=False).roots
-    from_inputs = {node.name for node in forward.nodes
-                   if roots[node] is None and not isinstance(node.meta.get("val"), (list, tuple))}
+    from_inputs = {
+        node.name
+        for node in forward.nodes
+        if roots[node] is None and not isinstance(node.meta.get("val"), (list, tuple))
+    }
     for node in backward.find_nodes(op="placeholder"):
         if node.name in from_inputs:
             node.meta[HELD_OUTSIDE] = True

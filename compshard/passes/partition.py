@@ -39,8 +39,9 @@ from compshard.sizes import size_hint
 __all__ = ["partition"]
 
 
-def partition(joint: fx.GraphModule, joint_inputs: Any, plan: CompilePlan,
-              **kwargs: Any) -> tuple[fx.GraphModule, fx.GraphModule, CompilePlan]:
+def partition(
+    joint: fx.GraphModule, joint_inputs: Any, plan: CompilePlan, **kwargs: Any
+) -> tuple[fx.GraphModule, fx.GraphModule, CompilePlan]:
     """The forward and backward graphs of ``joint``, and ``plan`` with what is saved."""
     forward, backward = min_cut_rematerialization_partition(joint, joint_inputs, **kwargs)
     saved = [node for node in backward.graph.find_nodes(op="placeholder") if not node.name.startswith("tangents")]
@@ -67,7 +68,7 @@ def _saved_tensors_first(forward: fx.GraphModule, backward: fx.GraphModule) -> N
     inputs = list(itertools.takewhile(lambda node: not node.name.startswith("tangents"), placeholders))
     output = forward.graph.find_nodes(op="output")[0]
     outputs = list(output.args[0])
-    user, saved_outputs = outputs[:len(outputs) - len(inputs)], outputs[len(outputs) - len(inputs):]
+    user, saved_outputs = outputs[: len(outputs) - len(inputs)], outputs[len(outputs) - len(inputs) :]
     reordered = sorted(saved_outputs, key=_saved_kind)  # stable: each kind keeps its order
     if reordered == saved_outputs:
         return
@@ -82,8 +83,12 @@ def _saved_tensors_first(forward: fx.GraphModule, backward: fx.GraphModule) -> N
 
 def _saved_bytes(forward: fx.Graph, saved: list[fx.Node]) -> dict[str, int]:
     produced = {node.name: node for node in forward.nodes}
-    gathered = {member for node in forward.nodes if is_op(node, compshard_ops.unshard.default)
-                for member in gathered_chain(node)}
+    gathered = {
+        member
+        for node in forward.nodes
+        if is_op(node, compshard_ops.unshard.default)
+        for member in gathered_chain(node)
+    }
     totals = {"activations": 0, "gathered params": 0, "inputs": 0}
     counted = set()  # storages: a value and its views saved together count once
     for node in saved:

@@ -77,8 +77,16 @@ def _compute_prefix(graph: fx.Graph) -> list[float]:
     return prefix
 
 
-def _auto_start(gathers: list[CollectiveGroup], i: int, order: dict, during: list[int], prefix: list[float],
-                peak: int, bound: float, earliest: int) -> int:
+def _auto_start(
+    gathers: list[CollectiveGroup],
+    i: int,
+    order: dict,
+    during: list[int],
+    prefix: list[float],
+    peak: int,
+    bound: float,
+    earliest: int,
+) -> int:
     """The index gather ``i``'s pack goes to: walking back from where it is issued now,
     the nearest position that hides all of its estimated time, else the one that hides
     the most; never so early that its bytes lift ``peak`` or the in-flight bytes pass
@@ -87,8 +95,9 @@ def _auto_start(gathers: list[CollectiveGroup], i: int, order: dict, during: lis
     issued_at = order[gather.issued]
     wait_position = order[gather.wait]
     need = _seconds(gather.start)
-    held = sum(nbytes(n.meta.get("val")) for n in gather.pack if not is_view(n)) \
-        + backend_scratch_bytes(gather.start)  # the output (filled in place) and the backend's own
+    held = sum(nbytes(n.meta.get("val")) for n in gather.pack if not is_view(n)) + backend_scratch_bytes(
+        gather.start
+    )  # the output (filled in place) and the backend's own
     best, best_hidden, highest = issued_at, 0.0, 0
     for position in range(issued_at - 1, earliest - 1, -1):
         highest = max(highest, during[position])
@@ -155,8 +164,11 @@ def prefetch(graph: fx.Graph, ctx: PassContext) -> Prefetch:
         else:
             position = _fixed_start(gathers, i, order, first, ctx.options.prefetch, bound)
         # all-gathers ahead: across how many others' uses the gather now runs (0: it starts at its wait)
-        distance = 0 if position >= issued_at else i - max(
-            (j for j in range(i) if order[waited(gathers[j])] < position), default=-1)
+        distance = (
+            0
+            if position >= issued_at
+            else i - max((j for j in range(i) if order[waited(gathers[j])] < position), default=-1)
+        )
         for bucket in node_meta(gather.start).buckets:
             distances[bucket] = distance
         if position < issued_at:
@@ -165,8 +177,12 @@ def prefetch(graph: fx.Graph, ctx: PassContext) -> Prefetch:
                 cursor = cursor.next
             last = max(order[node] for node in moving)
             chosen: set[fx.Node] = set()
-            chains = [_shard_chain(shard, moving, order, order[cursor], chosen)
-                      for node in moving for shard in node.all_input_nodes if shard not in moving]
+            chains = [
+                _shard_chain(shard, moving, order, order[cursor], chosen)
+                for node in moving
+                for shard in node.all_input_nodes
+                if shard not in moving
+            ]
             for node in [n for chain in chains for n in chain] + moving:
                 cursor.append(node)
                 cursor = node

@@ -79,15 +79,22 @@ def recompute(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> Recompu
         levels, plan = budget_levels(policy, budget_bytes)
         fits = plan.saved_bytes <= budget_bytes
         if not fits:
-            warn(f"compshard: recompute budget_mb={option['budget_mb']} (MiB) cannot be met: the least this graph "
-                 f"saves is {plan.saved_bytes / MiB:.3f} MiB of activations per rank (blocks: "
-                 f"{', '.join(level.name.lower() for level in levels.values()) or 'none found'}); using that")
+            warn(
+                f"compshard: recompute budget_mb={option['budget_mb']} (MiB) cannot be met: the least this graph "
+                f"saves is {plan.saved_bytes / MiB:.3f} MiB of activations per rank (blocks: "
+                f"{', '.join(level.name.lower() for level in levels.values()) or 'none found'}); using that"
+            )
         policy_name = "budget"
     else:
         levels, _ = option_levels(policy, option)
         plan = policy.plan(levels, None)
         budget_bytes, fits, policy_name = None, True, option
     _tag(plan, save_outside_inputs=not isinstance(option, Mapping))
-    return RecomputePlan(policy_name, budget_bytes=budget_bytes, planned_bytes=plan.saved_bytes,
-                         recompute_seconds=plan.recompute_seconds, fits=fits,
-                         levels={block: level.name.lower() for block, level in levels.items()})
+    return RecomputePlan(
+        policy_name,
+        budget_bytes=budget_bytes,
+        planned_bytes=plan.saved_bytes,
+        recompute_seconds=plan.recompute_seconds,
+        fits=fits,
+        levels={block: level.name.lower() for block, level in levels.items()},
+    )

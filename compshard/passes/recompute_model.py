@@ -24,16 +24,36 @@ from compshard.cost_model import Costs, costs_for, node_seconds
 from compshard.passes.fx_utils import aten, backward_nodes, block_of_nodes, first_arg, is_view, producer, unshard_group
 from compshard.sizes import nbytes
 
-__all__ = ["COMPUTE_INTENSIVE", "BlockRaise", "BlockRaises", "Level", "Policy", "SavePlan", "block_raises",
-           "budget_levels", "option_levels", "policy_for"]
+__all__ = [
+    "COMPUTE_INTENSIVE",
+    "BlockRaise",
+    "BlockRaises",
+    "Level",
+    "Policy",
+    "SavePlan",
+    "block_raises",
+    "budget_levels",
+    "option_levels",
+    "policy_for",
+]
 
 # Ops whose outputs "selective" keeps: recomputing them costs real FLOPs.
 COMPUTE_INTENSIVE = frozenset(
-    getattr(aten, name) for name in (
-        "mm", "addmm", "bmm", "baddbmm", "convolution", "_scaled_dot_product_flash_attention",
-        "_scaled_dot_product_flash_attention_for_cpu", "_scaled_dot_product_efficient_attention",
-        "_scaled_dot_product_cudnn_attention", "_flash_attention_forward", "_efficient_attention_forward",
-    ) if hasattr(aten, name)
+    getattr(aten, name)
+    for name in (
+        "mm",
+        "addmm",
+        "bmm",
+        "baddbmm",
+        "convolution",
+        "_scaled_dot_product_flash_attention",
+        "_scaled_dot_product_flash_attention_for_cpu",
+        "_scaled_dot_product_efficient_attention",
+        "_scaled_dot_product_cudnn_attention",
+        "_flash_attention_forward",
+        "_efficient_attention_forward",
+    )
+    if hasattr(aten, name)
 )
 
 _RECOMPUTE_TAGS = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
@@ -63,8 +83,9 @@ class SavePlan:
     recompute_seconds: float
 
 
-def _walk(seeds: list[fx.Node], recompute_node: Callable[[fx.Node], bool | None],
-          seconds_of: Callable[[fx.Node], float]) -> SavePlan:
+def _walk(
+    seeds: list[fx.Node], recompute_node: Callable[[fx.Node], bool | None], seconds_of: Callable[[fx.Node], float]
+) -> SavePlan:
     """Follow what the backward needs from ``seeds``: a saved node stops the walk, a
     recomputed one needs its inputs. ``recompute_node`` is None for nodes outside the
     policy's scope (left to the partitioner). Bytes and seconds count only the nodes
@@ -97,8 +118,9 @@ def _saved_bytes(saved) -> int:
 class Policy:
     """Decides, per forward node, save or recompute, given a level per block."""
 
-    def __init__(self, forward: list[fx.Node], backward: set[fx.Node], costs: Costs,
-                 gathered: frozenset[fx.Node] = frozenset()) -> None:
+    def __init__(
+        self, forward: list[fx.Node], backward: set[fx.Node], costs: Costs, gathered: frozenset[fx.Node] = frozenset()
+    ) -> None:
         self.forward = forward
         self.gathered = gathered  # untagged gathered-parameter chains: recomputed, neither bytes nor seconds
         self.block_of = block_of_nodes(forward)

@@ -37,11 +37,13 @@ from compshard.passes.fx_utils import (
 __all__ = ["reduced_in_bucket", "lower_reductions"]
 
 
-def _cast_and_view(graph: fx.Graph, value: fx.Node, local: torch.Tensor, meta: NodeMeta,
-                   fake_values: FakeValues | None) -> fx.Node:
+def _cast_and_view(
+    graph: fx.Graph, value: fx.Node, local: torch.Tensor, meta: NodeMeta, fake_values: FakeValues | None
+) -> fx.Node:
     if value.meta["val"].dtype != local.dtype:
-        value = emit(graph, prims.convert_element_type.default, (value, local.dtype), meta=meta,
-                     fake_values=fake_values)
+        value = emit(
+            graph, prims.convert_element_type.default, (value, local.dtype), meta=meta, fake_values=fake_values
+        )
     return emit(graph, aten.view.default, (value, list(local.shape)), meta=meta, fake_values=fake_values)
 
 
@@ -50,8 +52,11 @@ def _lower_alone(graph: fx.Graph, node: fx.Node, label: str, fake_values: FakeVa
     average over the shard group (started at once), then over the replica group."""
     args = reduce_grad_args(node)
     grad, param = args.grad, args.param
-    groups = [name for name, size in ((args.group_name, args.world_size),
-                                      (args.replicate_group, group_size(args.replicate_group))) if size > 1]
+    groups = [
+        name
+        for name, size in ((args.group_name, args.world_size), (args.replicate_group, group_size(args.replicate_group)))
+        if size > 1
+    ]
     dtype = args.reduce_dtype or grad.meta["val"].dtype
     nbytes = grad.meta["val"].numel() * dtype.itemsize
     labels = [f"{label}.{i}" if i else label for i in range(len(groups))]  # one per collective
@@ -94,8 +99,9 @@ class _Handoff:
     across: fx.Node
 
 
-def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]], label: str,
-                      fake_values: FakeValues | None) -> _Handoff | None:
+def _lower_collective(
+    graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]], label: str, fake_values: FakeValues | None
+) -> _Handoff | None:
     """Reduce-scatter the buckets of ``group`` (usually one; several when coalesced) within
     the shard group (when it has more than one rank), then all-reduce across the replica
     group (when there is one), which is returned."""
@@ -121,18 +127,29 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
 
     order = node_order(graph)
     with graph.inserting_before(max(members, key=order.__getitem__)):
-        packed = add(compshard_ops.reduce_scatter_copy_in.default,
-                     (grads, shard_numels, world_size, dtype, float(world_size * replicas)),
-                     meta("pack", names, nbytes, reduced_label if world_size == 1 else label))
+        packed = add(
+            compshard_ops.reduce_scatter_copy_in.default,
+            (grads, shard_numels, world_size, dtype, float(world_size * replicas)),
+            meta("pack", names, nbytes, reduced_label if world_size == 1 else label),
+        )
         if exchange:
-            start = add(compshard_ops.exchange_rows_.default, (packed, world_size, group_name),
-                        meta("reduce_scatter", names, nbytes))
+            start = add(
+                compshard_ops.exchange_rows_.default,
+                (packed, world_size, group_name),
+                meta("reduce_scatter", names, nbytes),
+            )
         elif world_size > 1:
-            start = add(c10d.reduce_scatter_tensor.default, (packed, "sum", world_size, group_name),
-                        meta("reduce_scatter", names, nbytes))
+            start = add(
+                c10d.reduce_scatter_tensor.default,
+                (packed, "sum", world_size, group_name),
+                meta("reduce_scatter", names, nbytes),
+            )
         else:  # no sharding: all-reduce as soon as the bucket is packed
-            start = add(c10d.all_reduce.default, (packed, "sum", replicate_group),
-                        meta("all_reduce", names, nbytes, reduced_label))
+            start = add(
+                c10d.all_reduce.default,
+                (packed, "sum", replicate_group),
+                meta("all_reduce", names, nbytes, reduced_label),
+            )
     # The wait goes before the first user that computes with a reduced gradient; users
     # that only view it on its way out of the graph, and users placed before the start,
     # move after the wait.
@@ -143,12 +160,12 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
     early = [u for u in users if u not in computing and order[u] < order[anchor]]
     shard_bytes = sum(shard_numels) * dtype.itemsize
     with graph.inserting_before(anchor):
-        reduced = add(c10d.wait_tensor.default, (start,),
-                      meta("wait", names, nbytes, label if world_size > 1 else reduced_label))
+        reduced = add(
+            c10d.wait_tensor.default, (start,), meta("wait", names, nbytes, label if world_size > 1 else reduced_label)
+        )
         waited = [reduced]  # the wait and the nodes that finish the reduction
         if exchange:  # this rank's rows from every rank, summed in rank order: by the unpack itself
-            rows_view = add(aten.view.default, (reduced, [world_size, sum(shard_numels)]),
-                            meta("unpack", names, 0))
+            rows_view = add(aten.view.default, (reduced, [world_size, sum(shard_numels)]), meta("unpack", names, 0))
             waited.append(rows_view)
             reduced = rows_view
             if replicas > 1:  # the all-reduce across replicas takes the sum (ops.sum_rows' arithmetic)
@@ -161,14 +178,18 @@ def _lower_collective(graph: fx.Graph, group: list[tuple[Bucket, list[fx.Node]]]
                 waited.append(reduced)
         handoff = None
         if world_size > 1 and replicas > 1:
-            across = add(c10d.all_reduce.default, (reduced, "sum", replicate_group),
-                         meta("all_reduce", names, shard_bytes, reduced_label))
+            across = add(
+                c10d.all_reduce.default,
+                (reduced, "sum", replicate_group),
+                meta("all_reduce", names, shard_bytes, reduced_label),
+            )
             handoff = _Handoff(start, tuple(waited), across)
             reduced = add(c10d.wait_tensor.default, (across,), meta("wait", names, shard_bytes, reduced_label))
-        unpacked = add(compshard_ops.reduce_scatter_copy_out.default,
-                       (reduced, shard_numels, [math.prod(v.shape) for v in locals_], locals_[0].dtype),
-                       meta("unpack", names, sum(v.numel() for v in locals_) * locals_[0].dtype.itemsize,
-                            reduced_label))
+        unpacked = add(
+            compshard_ops.reduce_scatter_copy_out.default,
+            (reduced, shard_numels, [math.prod(v.shape) for v in locals_], locals_[0].dtype),
+            meta("unpack", names, sum(v.numel() for v in locals_) * locals_[0].dtype.itemsize, reduced_label),
+        )
         for i, (member, local) in enumerate(zip(members, locals_)):
             flat = add(operator.getitem, (unpacked, i), meta("unpack", [names[i]], 0, reduced_label))
             view_meta = meta("unpack", [names[i]], 0, reduced_label)
@@ -200,8 +221,14 @@ def reduced_in_bucket(reduce_grad: fx.Node) -> bool:
     return communicates and not ShardLayout(tuple(args.full_shape), args.world_size, rank=0).replicated
 
 
-def lower_reductions(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, coalescing: Coalescing | None, *,
-                      fake_values: FakeValues | None = None) -> None:
+def lower_reductions(
+    graph: fx.Graph,
+    ctx: PassContext,
+    buckets: BucketPlan,
+    coalescing: Coalescing | None,
+    *,
+    fake_values: FakeValues | None = None,
+) -> None:
     """``fake_values``: for copies that are only measured (``coalesce_collectives``)."""
     bucketed = []
     for index, node in enumerate([n for n in graph.nodes if is_op(n, compshard_ops.reduce_grad.default)]):
@@ -209,6 +236,8 @@ def lower_reductions(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan, coa
             bucketed.append(node)
         else:
             _lower_alone(graph, node, f"{ctx.graph}.reduce.{index}", fake_values)
-    handoffs = [_lower_collective(graph, group, f"{ctx.graph}.reduce_scatter.{index}", fake_values)
-                for index, group in enumerate(collective_members(bucketed, buckets, coalescing, "reduce_scatter"))]
+    handoffs = [
+        _lower_collective(graph, group, f"{ctx.graph}.reduce_scatter.{index}", fake_values)
+        for index, group in enumerate(collective_members(bucketed, buckets, coalescing, "reduce_scatter"))
+    ]
     _hand_off_early(graph, [h for h in handoffs if h is not None])
