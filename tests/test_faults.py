@@ -27,6 +27,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 import compshard
@@ -273,8 +274,9 @@ def test_a_rank_that_skips_a_batch_ends_in_a_clear_error():
 # ----------------------------------------------------------------------------- checkpoints
 
 
-def _dies_before_its_checkpoint_overwrite(rank: int, world_size: int, path: str) -> None:
-    """Save after step 1 to ``path``, train on, save over it with the faulty rank killed first."""
+def _dies_in_its_checkpoint_overwrite(rank: int, world_size: int, path: str) -> None:
+    """Save after step 1 to ``path``, train on, save over it with the faulty rank killed as
+    it starts writing its file: the other rank has agreed the plan and writes its own."""
     model, step_model, batch = _sharded_gpt(compiled=False)
     optimizer = adamw(model)
     for current in range(3):
@@ -288,13 +290,13 @@ def _dies_before_its_checkpoint_overwrite(rank: int, world_size: int, path: str)
             else:
                 checkpoint.full_state_dict(model)
     if rank == FAULTY:
-        _fault("kill")
+        FileSystemWriter.write_data = lambda *args, **kwargs: _fault("kill")
     checkpoint.save(path, model, optimizer)
 
 
 def test_a_checkpoint_overwrite_that_a_rank_dies_in_keeps_the_old_one_whole(tmp_path):
     path = str(tmp_path / "ckpt")
-    _survivor(_run(_dies_before_its_checkpoint_overwrite, path))
+    _survivor(_run(_dies_in_its_checkpoint_overwrite, path))
     model, _ = make_model("gpt")
     checkpoint.load(path, model)
     expected = torch.load(path + ".expected")
