@@ -7,7 +7,7 @@ In one run, on the same machine, the same GPT (harness.make_workload: same weigh
 global batch) is trained on a 2-D mesh (dp = world size / --tp, tp = --tp; the tp ranks
 of a data-parallel rank share its slice of the batch) by each system in --systems
 (harness.TENSOR_PARALLEL_SYSTEMS), every one after the GPT's tensor-parallel plan on
-mesh["tp"] (harness.gpt_tensor_parallel_plan: attention and MLP colwise/rowwise):
+mesh["tp"] (compshard.models.tensor_parallel_plan: attention and MLP colwise/rowwise):
 
 - compshard: ``compshard.shard(model, mesh=mesh["dp"])`` and
   ``torch.compile(model, backend="compshard")``;

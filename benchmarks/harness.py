@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 import compshard  # noqa: E402
-from compshard.models import GPT, GPTConfig  # noqa: E402
+from compshard.models import GPT, GPTConfig, tensor_parallel_plan  # noqa: E402
 
 Wrap = Callable[[nn.Module], Callable]
 
@@ -160,28 +160,12 @@ assert tuple(SYSTEMS) == SYSTEM_NAMES, "cli.SYSTEM_NAMES lists the systems for -
 
 
 # Systems of data parallel over tensor parallel (2-D), each sharding over mesh["dp"] after
-# gpt_tensor_parallel_plan on mesh["tp"] (tensor_parallel_system).
+# compshard.models.tensor_parallel_plan on mesh["tp"] (tensor_parallel_system).
 TENSOR_PARALLEL_SYSTEMS: dict[str, Callable[..., Callable]] = {
     "compshard": wrap_compshard,
     "fsdp2": wrap_fsdp2,
     "fsdp2+compile-blocks": functools.partial(wrap_fsdp2, compile="blocks"),
 }
-
-
-def gpt_tensor_parallel_plan(model: GPT) -> dict:
-    """The GPT's tensor-parallel plan (as in docs/tensor_parallel.md): attention's qkv
-    colwise, gathered back to full width (q, k and v are split by the full width), its
-    projection rowwise; the MLP's fc colwise, its projection rowwise."""
-    from torch.distributed.tensor import Replicate
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    plan = {}
-    for i in range(len(model.blocks)):
-        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(output_layouts=Replicate())
-        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel(input_layouts=Replicate())
-        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel()
-        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel()
-    return plan
 
 
 def tensor_parallel_system(name: str, mesh: DeviceMesh) -> Wrap:
@@ -191,7 +175,7 @@ def tensor_parallel_system(name: str, mesh: DeviceMesh) -> Wrap:
     from torch.distributed.tensor.parallel import parallelize_module
 
     def wrap(model: nn.Module) -> Callable:
-        parallelize_module(model, mesh["tp"], gpt_tensor_parallel_plan(model))
+        parallelize_module(model, mesh["tp"], tensor_parallel_plan(model))
         return TENSOR_PARALLEL_SYSTEMS[name](model, mesh=mesh["dp"])
 
     return wrap

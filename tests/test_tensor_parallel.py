@@ -37,6 +37,7 @@ from torch.distributed.tensor.parallel import (
 import compshard
 from compshard.backend import record_compiles
 from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
+from compshard.models import tensor_parallel_plan as gpt_plan
 from compshard.passes.fx_utils import c10d, is_op, op_arg, program_collective
 from compshard.report import Report
 from tests.distributed import run_distributed
@@ -51,19 +52,6 @@ MAX_NORM = 0.5  # below the gradients' norm (about 1): every step clips
 # TP 1.3e-5 from single-process training after 3 steps; at 1e-3 it is 1.5e-6.
 LLAMA_LR = 1e-3
 DP, TP = 2, 2
-
-
-def gpt_plan(model: nn.Module) -> dict:
-    """Attention: qkv colwise gathered back to full width (the GPT splits q, k, v by the
-    full width), proj rowwise from a replicated input; MLP: fc colwise, proj rowwise. So
-    dim 0 is split by tp (qkv, fc), dim 1 (the projections) and biases are replicated."""
-    plan = {}
-    for i in range(len(model.blocks)):
-        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(output_layouts=Replicate())
-        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel(input_layouts=Replicate())
-        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel()
-        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel()
-    return plan
 
 
 def llama_plan(model: nn.Module, sequence_parallel: bool) -> dict:

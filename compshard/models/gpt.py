@@ -9,12 +9,16 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT"]
+if TYPE_CHECKING:
+    from torch.distributed.tensor.parallel import ParallelStyle
+
+__all__ = ["GPTConfig", "CausalSelfAttention", "MLP", "Block", "GPT", "tensor_parallel_plan"]
 
 
 @dataclass(frozen=True)
@@ -111,3 +115,21 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def tensor_parallel_plan(model: GPT) -> dict[str, ParallelStyle]:
+    """The GPT's tensor-parallel plan for ``parallelize_module`` (docs/tensor_parallel.md):
+    attention's qkv colwise, gathered back to full width (the GPT splits q, k and v by the
+    full width), its projection rowwise from a replicated input; the MLP's fc colwise, its
+    projection rowwise. So dim 0 of qkv and fc is split by tp; the projections' dim 1 too,
+    and their biases are replicated."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    plan: dict[str, ParallelStyle] = {}
+    for i in range(len(model.blocks)):
+        plan[f"blocks.{i}.attn.qkv"] = ColwiseParallel(output_layouts=Replicate())
+        plan[f"blocks.{i}.attn.proj"] = RowwiseParallel(input_layouts=Replicate())
+        plan[f"blocks.{i}.mlp.fc"] = ColwiseParallel()
+        plan[f"blocks.{i}.mlp.proj"] = RowwiseParallel()
+    return plan
