@@ -89,6 +89,21 @@ class Step:
                 )
 
 
+# A forward graph's steps; an inference graph (no joint graph was made for it) assigns its
+# buckets first, then takes the same steps.
+_FORWARD = (
+    Step(agree_shapes),
+    Step(coalesce_collectives, "coalescing"),
+    Step(lower_unshard),
+    Step(agree_lowered_shapes),
+    Step(estimate_costs),
+    Step(prefetch, "prefetch"),
+    Step(insert_free),
+    Step(estimate_memory, "peak_bytes"),
+    Step(check_schedule, "fingerprint"),
+    Step(restore_shapes),
+)
+
 PIPELINES: dict[GraphKind, tuple[Step, ...]] = {
     "dynamo": (Step(dedupe_unshard),),
     "joint": (
@@ -98,18 +113,7 @@ PIPELINES: dict[GraphKind, tuple[Step, ...]] = {
         Step(tag_gathered_params),
         Step(recompute, "recompute"),
     ),
-    "forward": (
-        Step(agree_shapes),
-        Step(coalesce_collectives, "coalescing"),
-        Step(lower_unshard),
-        Step(agree_lowered_shapes),
-        Step(estimate_costs),
-        Step(prefetch, "prefetch"),
-        Step(insert_free),
-        Step(estimate_memory, "peak_bytes"),
-        Step(check_schedule, "fingerprint"),
-        Step(restore_shapes),
-    ),
+    "forward": _FORWARD,
     "backward": (
         Step(agree_shapes),
         Step(coalesce_collectives, "coalescing"),
@@ -124,20 +128,7 @@ PIPELINES: dict[GraphKind, tuple[Step, ...]] = {
         Step(check_schedule, "fingerprint"),
         Step(restore_shapes),
     ),
-    "inference": (
-        Step(drop_redundant_clones),
-        Step(assign_buckets, "buckets"),
-        Step(agree_shapes),
-        Step(coalesce_collectives, "coalescing"),
-        Step(lower_unshard),
-        Step(agree_lowered_shapes),
-        Step(estimate_costs),
-        Step(prefetch, "prefetch"),
-        Step(insert_free),
-        Step(estimate_memory, "peak_bytes"),
-        Step(check_schedule, "fingerprint"),
-        Step(restore_shapes),
-    ),
+    "inference": (Step(drop_redundant_clones), Step(assign_buckets, "buckets"), *_FORWARD),
 }
 
 
