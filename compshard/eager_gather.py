@@ -70,6 +70,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from compshard.ops import UnshardArgs
+from compshard.torch_compat import constant_lookup
 
 __all__ = ["EagerReductions", "accumulate_grad", "gather", "install_call_scope", "needs_call_scope", "recomputing"]
 
@@ -314,14 +315,58 @@ def gather(
     return _DeferredGather.apply(shard, reductions, item, args)
 
 
-def _enter_call(unshard: Callable[[nn.Module, str], torch.Tensor], unit: nn.Module, args: Any) -> None:
-    members, calls = unit._compshard_members, unit._compshard_calls
-    assert isinstance(members, list) and isinstance(calls, list)  # install_call_scope's
-    reductions = None if torch.compiler.is_compiling() else members[0][0]._compshard_grad_sync.eager
+@dataclass(frozen=True)
+class MemberModule:
+    """A module whose parameters a gather unit gathers on entry: ``path``, the child names
+    from the unit to it (so that a compiled trace reaches the module by the same attribute
+    path as the model's own code, and Dynamo guards it once), and ``names``, the
+    ``(attribute name, canonical name)`` of each of its parameters the unit gathers."""
+
+    path: tuple[str, ...]
+    names: tuple[tuple[str, str], ...]
+
+
+GatherMembers = Callable[[nn.Module, tuple[MemberModule, ...]], dict[str, torch.Tensor]]
+
+
+@constant_lookup
+def members_of(unit: nn.Module) -> tuple[MemberModule, ...]:
+    """The modules and parameters ``unit`` gathers on entry to each call, in registration
+    order. Dynamo takes them as a constant (``install_call_scope`` fixes them), guarding
+    only the unit's identity."""
+    members = unit._compshard_members
+    assert isinstance(members, tuple)  # install_call_scope's
+    return members
+
+
+@constant_lookup
+def canonical_name(module: nn.Module, name: str) -> str:
+    """The canonical name of ``module``'s sharded parameter ``name`` (a constant for Dynamo,
+    as :func:`members_of`)."""
+    specs = module._compshard_specs
+    assert isinstance(specs, dict)  # shard's
+    return specs[name].fqn
+
+
+def submodule(unit: nn.Module, path: tuple[str, ...]) -> nn.Module:
+    """The module at ``path`` (child names) beneath ``unit``."""
+    module = unit
+    for child in path:
+        found = module._modules[child]
+        assert found is not None  # install_call_scope found it there
+        module = found
+    return module
+
+
+def _enter_call(gather: GatherMembers, unit: nn.Module, args: Any) -> None:
+    calls = unit._compshard_calls
+    assert isinstance(calls, list)  # install_call_scope's
+    state: Any = unit._compshard_grad_sync  # a compshard.grad_sync.GradSync (install_call_scope's)
+    reductions = None if torch.compiler.is_compiling() else state.eager
     if reductions is not None:
         reductions.open_call = []
     try:
-        gathered = {module._compshard_specs[name].fqn: unshard(module, name) for module, name in members}
+        gathered = gather(unit, members_of(unit))
     finally:
         if reductions is not None:
             reductions.open_call = None
@@ -370,19 +415,28 @@ def needs_call_scope(module: nn.Module) -> bool:
     return type(module).forward not in _READS_EACH_PARAMETER_ONCE
 
 
-def install_call_scope(
-    unit: nn.Module, members: list[tuple[nn.Module, str]], unshard: Callable[[nn.Module, str], torch.Tensor]
-) -> None:
+def install_call_scope(unit: nn.Module, members: list[tuple[nn.Module, str]], gather: GatherMembers) -> None:
     """``unit`` gathers ``members`` (``(module, name)`` pairs, one per distinct parameter, in
-    registration order) on entry to each call, with ``unshard(module, name)``; reads of
-    them inside the call (:func:`read`) return those tensors, whatever the data decide to
-    read. Compiled, the gathers are traced at the call's entry in whichever graph holds the
-    call, so a graph break inside the unit's code leaves them where they are."""
+    registration order, each module beneath ``unit``) on entry to each call, with
+    ``gather(unit, members_of(unit))``; reads of them inside the call (:func:`read`) return
+    those tensors, whatever the data decide to read. Compiled, the gathers are traced at
+    the call's entry in whichever graph holds the call, so a graph break inside the unit's
+    code leaves them where they are. ``unit._compshard_grad_sync`` is set (the members')."""
+    paths: dict[int, tuple[str, ...]] = {}
+    for prefix, module in unit.named_modules(remove_duplicate=False):
+        paths.setdefault(id(module), tuple(prefix.split(".")) if prefix else ())
+    grouped: list[tuple[nn.Module, list[tuple[str, str]]]] = []
+    for module, name in members:
+        if not grouped or grouped[-1][0] is not module:
+            grouped.append((module, []))
+        grouped[-1][1].append((name, canonical_name(module, name)))
+        module._compshard_unit = (unit,)  # type: ignore[assignment]  # a tuple: an attribute would register a submodule
     unit._compshard_calls = []  # type: ignore[assignment]  # any value; stubs: Tensor | Module
-    unit._compshard_members = members  # type: ignore[assignment]  # any value; stubs: Tensor | Module
-    for module, _ in members:  # (a tuple: a module attribute would register a submodule)
-        module._compshard_unit = (unit,)  # type: ignore[assignment]  # any value; stubs: Tensor | Module
-    unit.register_forward_pre_hook(functools.partial(_enter_call, unshard))
+    unit._compshard_members = tuple(  # type: ignore[assignment]  # any value; stubs: Tensor | Module
+        MemberModule(paths[id(module)], tuple(names)) for module, names in grouped
+    )
+    unit._compshard_grad_sync = members[0][0]._compshard_grad_sync
+    unit.register_forward_pre_hook(functools.partial(_enter_call, gather))
     unit.register_forward_hook(_exit_call, always_call=True)
 
 
@@ -401,7 +455,5 @@ def read(module: nn.Module, name: str, unshard: Callable[[nn.Module, str], torch
     its hooks would run outside its compiled forward as graphs of their own)."""
     unit = getattr(module, "_compshard_unit", None)
     if unit is not None and unit[0]._compshard_calls:
-        specs = module._compshard_specs
-        assert isinstance(specs, dict)  # shard's
-        return unit[0]._compshard_calls[-1][specs[name].fqn]
+        return unit[0]._compshard_calls[-1][canonical_name(module, name)]
     return unshard(module, name)

@@ -151,7 +151,7 @@ def _local_rows(param: nn.Parameter) -> torch.Tensor:
 def _sharded_property(name: str) -> property:
     def get(self: nn.Module) -> torch.Tensor:
         if torch.compiler.is_compiling() or _in_forward(self):
-            return eager_gather.read(self, name, _unshard)
+            return eager_gather.read(self, name, _unshard_read)
         param = self._parameters[name]
         assert param is not None  # shard registered it
         return param
@@ -199,13 +199,23 @@ def _install_forward_scopes(root: nn.Module) -> None:
             sub.register_forward_hook(functools.partial(_leave_forward, forward), always_call=True)
 
 
+@dataclass(frozen=True)
+class _Read:
+    """What ``shard`` fixes about the reads of one sharded parameter: its spec, and the
+    layout of a parameter that a tensor-parallel plan placed (None: not placed)."""
+
+    spec: ParamSpec
+    layout: tensor_parallel.TensorParallelLayout | None
+
+
 @constant_lookup
-def _spec_of(module: nn.Module, name: str) -> ParamSpec:
-    """The spec of ``module``'s sharded parameter ``name``. Dynamo takes the result as a
-    constant, guarding only the module's identity: ``shard`` fixes a module's specs for
-    good, and guards on each of their fields made compiling slow and added nothing (not
-    with torch 2.11: see ``constant_lookup``)."""
-    return _specs(module)[name]
+def _read_of(module: nn.Module, name: str) -> _Read:
+    """The fixed facts of ``module``'s sharded parameter ``name``. Dynamo takes the result
+    as a constant, guarding only the module's identity: guards on each field of the spec
+    and layout made compiling slow and added nothing (not with torch 2.11: see
+    ``constant_lookup``)."""
+    layouts = getattr(module, "_compshard_tensor_parallel", None)
+    return _Read(_specs(module)[name], None if layouts is None else layouts.get(name))
 
 
 def _specs(module: nn.Module) -> dict[str, ParamSpec]:
@@ -215,36 +225,60 @@ def _specs(module: nn.Module) -> dict[str, ParamSpec]:
     return specs
 
 
-def _unshard(module: nn.Module, name: str) -> torch.Tensor:
-    """``module.<name>`` gathered across the shard group; a parameter that a
-    tensor-parallel plan placed comes back as the plan's DTensor (:mod:`compshard.tensor_parallel`)."""
-    full = _gathered(module, name)
-    layouts = getattr(module, "_compshard_tensor_parallel", None)
-    return full if layouts is None or name not in layouts else layouts[name].placed(full)
-
-
-def _gathered(module: nn.Module, name: str) -> torch.Tensor:
-    spec = _spec_of(module, name)
+def _grad_sync(module: nn.Module) -> GradSync:
     state = module._compshard_grad_sync
     assert isinstance(state, GradSync)  # shard's
+    return state
+
+
+def _unshard(module: nn.Module, name: str, state: GradSync) -> torch.Tensor:
+    """``module.<name>`` gathered across the shard group; a parameter that a
+    tensor-parallel plan placed comes back as the plan's DTensor (:mod:`compshard.tensor_parallel`).
+    ``state``: the gradient-sync state of the model (``module._compshard_grad_sync``)."""
+    read = _read_of(module, name)
+    spec = read.spec
     if state.step_gathered is not None:  # compshard.step_gather: gathered once for the step
-        gathered = state.step_gathered.get(spec.fqn)
-        if gathered is None:
+        full = state.step_gathered.get(spec.fqn)
+        if full is None:
             raise RuntimeError(
                 f"compshard: parameter '{spec.fqn}' read after reduce_accumulated_gradients "
                 "released it, ending its step (compshard.step_gather.gathered_for_step)"
             )
-        return gathered
+    else:
+        full = _gathered(module, name, spec, state)
+    return full if read.layout is None else read.layout.placed(full)
+
+
+def _gathered(module: nn.Module, name: str, spec: ParamSpec, state: GradSync) -> torch.Tensor:
     param = module._parameters[name]
     assert param is not None  # shard registered it
     shard = _local_rows(param)
     if spec.compute_device is not None:
         shard = shard.to(spec.compute_device, non_blocking=True)
-    args = (*spec.unshard_args, *state.claim(spec.fqn))
+    # (with no gradient sink, as unless no_sync was used, every read claims ("reduce", None))
+    args = (*spec.unshard_args, *(state.claim(spec.fqn) if state.sinks else ("reduce", None)))
     if torch.compiler.is_compiling():
         return torch.ops.compshard.unshard(shard, *args)
     communicates = spec.world_size > 1 or bool(spec.replicate_group)
     return eager_gather.gather(param, shard, args, state.eager, communicates)
+
+
+def _unshard_read(module: nn.Module, name: str) -> torch.Tensor:
+    """A read's gather of ``module.<name>`` (outside its unit's call, or without a unit)."""
+    return _unshard(module, name, _grad_sync(module))
+
+
+def _gather_members(unit: nn.Module, members: tuple[eager_gather.MemberModule, ...]) -> dict[str, torch.Tensor]:
+    """The tensors ``unit`` gathers on entry to a call, by canonical name, in member order.
+    The gradient-sync state is read once, from the unit, not once per parameter (each
+    extra read of that shared object is a Dynamo guard)."""
+    state = _grad_sync(unit)
+    gathered = {}
+    for member in members:
+        module = eager_gather.submodule(unit, member.path)
+        for name, fqn in member.names:
+            gathered[fqn] = _unshard(module, name, state)
+    return gathered
 
 
 _SHARDED_CLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
@@ -643,7 +677,7 @@ def _install_gather_units(root: nn.Module, patterns: Sequence[str]) -> None:
     for unit, members in units.values():
         if all(module is unit for module, _ in members.values()) and not eager_gather.needs_call_scope(unit):
             continue  # a block that is one torch.nn layer: it reads each parameter once anyway
-        eager_gather.install_call_scope(unit, list(members.values()), _unshard)
+        eager_gather.install_call_scope(unit, list(members.values()), _gather_members)
 
 
 _BROADCAST_BUCKET_BYTES = 256 * 2**20
