@@ -201,11 +201,13 @@ def _install_forward_scopes(root: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class _Read:
-    """What ``shard`` fixes about the reads of one sharded parameter: its spec, and the
-    layout of a parameter that a tensor-parallel plan placed (None: not placed)."""
+    """What ``shard`` fixes about the reads of one sharded parameter: its spec, the layout
+    of a parameter that a tensor-parallel plan placed (None: not placed), and
+    ``compshard::unshard``'s arguments after the shard when no gradient sink is claimed."""
 
     spec: ParamSpec
     layout: tensor_parallel.TensorParallelLayout | None
+    reduce_args: tuple
 
 
 @constant_lookup
@@ -215,7 +217,8 @@ def _read_of(module: nn.Module, name: str) -> _Read:
     and layout made compiling slow and added nothing (not with torch 2.11: see
     ``constant_lookup``)."""
     layouts = getattr(module, "_compshard_tensor_parallel", None)
-    return _Read(_specs(module)[name], None if layouts is None else layouts.get(name))
+    spec = _specs(module)[name]
+    return _Read(spec, None if layouts is None else layouts.get(name), (*spec.unshard_args, "reduce", None))
 
 
 def _specs(module: nn.Module) -> dict[str, ParamSpec]:
@@ -234,7 +237,8 @@ def _grad_sync(module: nn.Module) -> GradSync:
 def _unshard(module: nn.Module, name: str, state: GradSync) -> torch.Tensor:
     """``module.<name>`` gathered across the shard group; a parameter that a
     tensor-parallel plan placed comes back as the plan's DTensor (:mod:`compshard.tensor_parallel`).
-    ``state``: the gradient-sync state of the model (``module._compshard_grad_sync``)."""
+    ``state``: the gradient-sync state of the model (``module._compshard_grad_sync``).
+    Compiled, every line here is traced at every parameter read: keep it short."""
     read = _read_of(module, name)
     spec = read.spec
     if state.step_gathered is not None:  # compshard.step_gather: gathered once for the step
@@ -245,22 +249,19 @@ def _unshard(module: nn.Module, name: str, state: GradSync) -> torch.Tensor:
                 "released it, ending its step (compshard.step_gather.gathered_for_step)"
             )
     else:
-        full = _gathered(module, name, spec, state)
+        param = module._parameters[name]
+        assert param is not None  # shard registered it
+        shard = _local_rows(param)
+        if spec.compute_device is not None:
+            shard = shard.to(spec.compute_device, non_blocking=True)
+        # with no gradient sink (no_sync never used), every read claims ("reduce", None)
+        args = (*spec.unshard_args, *state.claim(spec.fqn)) if state.sinks else read.reduce_args
+        if torch.compiler.is_compiling():
+            full = torch.ops.compshard.unshard(shard, *args)
+        else:
+            communicates = spec.world_size > 1 or bool(spec.replicate_group)
+            full = eager_gather.gather(param, shard, args, state.eager, communicates)
     return full if read.layout is None else read.layout.placed(full)
-
-
-def _gathered(module: nn.Module, name: str, spec: ParamSpec, state: GradSync) -> torch.Tensor:
-    param = module._parameters[name]
-    assert param is not None  # shard registered it
-    shard = _local_rows(param)
-    if spec.compute_device is not None:
-        shard = shard.to(spec.compute_device, non_blocking=True)
-    # (with no gradient sink, as unless no_sync was used, every read claims ("reduce", None))
-    args = (*spec.unshard_args, *(state.claim(spec.fqn) if state.sinks else ("reduce", None)))
-    if torch.compiler.is_compiling():
-        return torch.ops.compshard.unshard(shard, *args)
-    communicates = spec.world_size > 1 or bool(spec.replicate_group)
-    return eager_gather.gather(param, shard, args, state.eager, communicates)
 
 
 def _unshard_read(module: nn.Module, name: str) -> torch.Tensor:
