@@ -8,7 +8,10 @@ AOTAutograd cache.
   which leaves only the on-disk caches): cold (every graph compiled), warm (every graph
   loaded, the cross-rank schedule check run on each), rank 1's cache deleted (every rank
   compiles again), rank 0's entries truncated (a warning on rank 0, every rank compiles
-  again). Losses and parameters of every launch equal the cold launch's bit for bit.
+  again), then a launch from a fresh cache directory filled only by
+  ``torch.compiler.load_cache_artifacts`` with what ``save_cache_artifacts`` returned
+  (every graph loaded). Losses and parameters of every launch equal the cold launch's
+  bit for bit.
   Calibration's figures are kept for the next launch, and measured again on every rank
   when one rank lost them.
 """
@@ -150,8 +153,24 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     dist.barrier()
     launches["truncated"] = _launch(rank)
+    launches["moved"] = _launch_from_artifacts(rank, pathlib.Path(root) / f"moved{rank}", cache_dir)
     launches["costs"] = _remembered_costs(rank, pathlib.Path(root) / f"costs{rank}")
     return launches
+
+
+def _launch_from_artifacts(rank: int, fresh: pathlib.Path, cache_dir: pathlib.Path) -> dict:
+    """A launch whose cache directory holds only what torch's cache artifacts of this
+    process carry. The calibration figures stay where they were kept (as on a host that
+    keeps ``COMPSHARD_CACHE_DIR``): artifacts carry torch's entries, not compshard's files."""
+    artifacts = torch.compiler.save_cache_artifacts()
+    assert artifacts is not None
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh)
+    os.environ["COMPSHARD_CACHE_DIR"] = str(cache_dir / "compshard")
+    try:
+        torch.compiler.load_cache_artifacts(artifacts[0])
+        return _launch(rank)
+    finally:
+        del os.environ["COMPSHARD_CACHE_DIR"]
 
 
 def _remembered_costs(rank: int, directory: pathlib.Path) -> list[tuple[float, ...]]:
@@ -196,12 +215,17 @@ def test_a_truncated_entry_is_recompiled_with_a_warning(launches):
     assert launches[1]["truncated"]["warnings"] == []
 
 
+def test_cache_artifacts_carry_the_entries_to_a_fresh_directory(launches):
+    for rank in launches:
+        assert rank["moved"]["from_cache"] == [("forward", True), ("backward", True)]
+
+
 def test_calibration_figures_are_kept_for_the_next_launch(launches):
     for rank in launches:
         assert rank["costs"] == [(1.0, 2.0), (1.0, 2.0), (5.0, 6.0)]
 
 
-@pytest.mark.parametrize("launch", ["warm", "deleted", "truncated"])
+@pytest.mark.parametrize("launch", ["warm", "deleted", "truncated", "moved"])
 def test_every_launch_trains_bit_for_bit_as_the_cold_one(launches, launch):
     for rank in launches:
         cold, other = rank["cold"], rank[launch]

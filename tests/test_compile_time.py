@@ -13,6 +13,10 @@ are the ones it replaced.
 - Compiled graphs take the parameters' local tensors, never DTensors (tracing those as
   tensor subclasses was a large part of compile time); a parameter frozen at ``shard``
   and unfrozen later gets gradients.
+- Dynamo's guards on a sharded GPT's forward reach no spec, layout or gather-unit member
+  list (``shard`` fixes them: Dynamo takes them as constants), and the model's
+  gradient-sync state through one attribute per gather unit or module outside units,
+  not per parameter read (each such guard was tracing and guard-building time).
 - World size 1: a ``torch.utils.checkpoint`` region inside a compiled sharded module trains.
 
 One world-size-2 spawn runs the distributed checks; the tests read its results.
@@ -133,9 +137,19 @@ def _plain_inputs_and_unfreezing(rank: int) -> dict:
     }
 
 
+def _guard_sources(rank: int) -> list[str]:
+    """The source of every guard Dynamo installs on a sharded GPT's forward (traced only)."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = compshard.shard(GPT(GPT_CONFIG))
+    explained = torch._dynamo.explain(model)(*_batch(16, rank))
+    return [guard.name for guard in explained.out_guards]
+
+
 def _worker(rank: int, world_size: int) -> dict:
     lengths = [_batch(length, rank) for length in LENGTHS]
     return {
+        "guard_sources": _guard_sources(rank),
         "plain_inputs": _plain_inputs_and_unfreezing(rank),
         "default": _compiles(None, lengths),
         "dynamic": _compiles(True, lengths),
@@ -163,6 +177,17 @@ def test_compiled_graphs_take_local_tensors_and_unfrozen_parameters_train(result
         assert got["input_types"] == {"Tensor"}, got["input_types"]  # no DTensor: no subclass tracing
         assert got["frozen_grad"] is None
         assert got["unfrozen_grad_norm"] is not None and got["unfrozen_grad_norm"] > 0
+
+
+def test_guards_skip_what_shard_fixed(results):
+    for rank_results in results:
+        sources = rank_results["guard_sources"]
+        fixed_by_shard = ("_compshard_specs", "_compshard_members", "_compshard_tensor_parallel")
+        fixed = [s for s in sources if any(attribute in s for attribute in fixed_by_shard)]
+        assert not fixed, fixed[:5]
+        grad_sync = {s for s in sources if s.endswith("._compshard_grad_sync")}
+        # one per block (a gather unit) and per sharded module outside the blocks (wte, wpe, ln_f, lm_head)
+        assert len(grad_sync) <= GPT_CONFIG.n_layer + 4, sorted(grad_sync)
 
 
 def test_coalescing_prices_equal_lowered_copies(results):
