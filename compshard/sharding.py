@@ -201,12 +201,13 @@ def _install_forward_scopes(root: nn.Module) -> None:
 
 @dataclass(frozen=True)
 class _Read:
-    """What ``shard`` fixes about the reads of one sharded parameter: its spec, the layout
-    of a parameter that a tensor-parallel plan placed (None: not placed), and
-    ``compshard::unshard``'s arguments after the shard when no gradient sink is claimed."""
+    """What ``shard`` fixes about the reads of one sharded parameter: its spec, whether a
+    tensor-parallel plan placed it (its layout is read from the module: a method call on a
+    Dynamo constant cannot be traced), and ``compshard::unshard``'s arguments after the
+    shard when no gradient sink is claimed."""
 
     spec: ParamSpec
-    layout: tensor_parallel.TensorParallelLayout | None
+    placed: bool
     reduce_args: tuple
 
 
@@ -214,11 +215,10 @@ class _Read:
 def _read_of(module: nn.Module, name: str) -> _Read:
     """The fixed facts of ``module``'s sharded parameter ``name``. Dynamo takes the result
     as a constant, guarding only the module's identity: guards on each field of the spec
-    and layout made compiling slow and added nothing (not with torch 2.11: see
-    ``constant_lookup``)."""
+    made compiling slow and added nothing (not with torch 2.11: see ``constant_lookup``)."""
     layouts = getattr(module, "_compshard_tensor_parallel", None)
     spec = _specs(module)[name]
-    return _Read(spec, None if layouts is None else layouts.get(name), (*spec.unshard_args, "reduce", None))
+    return _Read(spec, layouts is not None and name in layouts, (*spec.unshard_args, "reduce", None))
 
 
 def _specs(module: nn.Module) -> dict[str, ParamSpec]:
@@ -261,7 +261,11 @@ def _unshard(module: nn.Module, name: str, state: GradSync) -> torch.Tensor:
         else:
             communicates = spec.world_size > 1 or bool(spec.replicate_group)
             full = eager_gather.gather(param, shard, args, state.eager, communicates)
-    return full if read.layout is None else read.layout.placed(full)
+    if not read.placed:
+        return full
+    layouts = module._compshard_tensor_parallel
+    assert isinstance(layouts, dict)  # shard's
+    return layouts[name].placed(full)
 
 
 def _unshard_read(module: nn.Module, name: str) -> torch.Tensor:
