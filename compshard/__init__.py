@@ -13,13 +13,11 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject.toml re
 
 import torch
 
-from compshard import (
-    checkpoint,
-    ops,  # noqa: F401  (registers the compshard:: custom ops)
-)
+from compshard import checkpoint
 from compshard.backend import compshard_backend
 from compshard.checkpoint import full_state_dict
 from compshard.clip import clip_grad_norm_
+from compshard.comm import ops  # noqa: F401  (registers the compshard:: custom ops)
 from compshard.compile_plan import ScheduleError
 from compshard.grad_sync import no_sync, set_requires_gradient_sync
 from compshard.options import CompileOptions

@@ -42,7 +42,8 @@ from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._inductor.output_code import OutputCode
 
-from compshard import compile_cache, cost_model, logs, rank_exchange, sharding
+from compshard import compile_cache, cost_model, logs, sharding
+from compshard.comm import rank_exchange
 from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan
 from compshard.options import CompileOptions
 from compshard.passes import PassContext, run_passes

@@ -61,10 +61,10 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 from compshard import cost_model
 from compshard import hardware as hardware_presets
+from compshard.comm.ops import ShardLayout, simulated_backends
 from compshard.compile_plan import COLLECTIVE_KINDS, MiB, node_meta, set_node_meta
 from compshard.cost_model import Costs, collective_seconds
 from compshard.hardware import Hardware, Measured
-from compshard.ops import ShardLayout, simulated_backends
 from compshard.options import CompileOptions
 from compshard.passes.fx_utils import op_arg, producer, program_collective
 from compshard.passes.memory_model import backend_scratch_bytes, storages

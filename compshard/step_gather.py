@@ -46,8 +46,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from compshard.comm.ops import ShardLayout, all_gather_rows, group_rank
 from compshard.grad_sync import DEFAULT_BUCKET_BYTES, consecutive_buckets, grad_sync_state
-from compshard.ops import ShardLayout, all_gather_rows, group_rank
 from compshard.sharding import ParamSpec
 
 __all__ = ["gathered_for_step"]
