@@ -22,8 +22,8 @@ from compshard.compile_plan import ScheduleError
 from compshard.grad_sync import no_sync, set_requires_gradient_sync
 from compshard.options import CompileOptions
 from compshard.pipeline import Pipeline, PipelineReport, pipeline
-from compshard.plan import PlanReport, plan
-from compshard.report import Report, inspect
+from compshard.predict.inspection import Report, inspect
+from compshard.predict.prediction import PlanReport, plan
 from compshard.sharding import ShardingConfig, shard, sharding_config
 
 # Installed, the backend is known through its entry point and Dynamo registers it when
