@@ -8,13 +8,13 @@
 The ranks form a (pp, dp) mesh: --stages pipeline stages, each sharded over
 world/--stages data-parallel ranks (4 processes: 2 stages x 2 shards). Every system
 trains the same GPT (compshard.models, from the same weights) on the same batch, cut at
-the same place (compshard.pipeline_stages on one micro-batch; the benchmark checks that
+the same place (compshard.pipelining.stages on one micro-batch; the benchmark checks that
 the cuts agree), with the same schedule and micro-batches, in the same processes:
 
 - compshard: compshard.pipeline with compile=True (--options are its compile options)
   and reshard="per_step" (the default): each stage sharded with compshard.shard, and
   compiled with the compshard backend only where the options ask for graph work
-  (compshard.pipeline.compiles_stage; else it runs as built); the stage's parameters
+  (compshard.pipelining.runner.compiles_stage; else it runs as built); the stage's parameters
   are all-gathered once per step, in buckets of at most bucket_mb, and held through
   every micro-batch; gradients accumulate over the micro-batches and are
   reduce-scattered once per step, in buckets.
@@ -65,7 +65,7 @@ from typing import NamedTuple
 from cli import add_workload_arguments, make_parser, parse_options, parse_systems, parse_workload_arguments
 
 SYSTEM_NAMES = ("compshard", "compshard-per-microbatch", "compshard-eager", "fsdp2")
-SCHEDULE_NAMES = ("1f1b", "gpipe")  # compshard.pipeline.SCHEDULES (checked below)
+SCHEDULE_NAMES = ("1f1b", "gpipe")  # compshard.pipelining.runner.SCHEDULES (checked below)
 LOSS_RTOL = 1e-5
 
 
@@ -107,10 +107,10 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 import compshard  # noqa: E402
 from compshard import cost_model  # noqa: E402
 from compshard.models import GPTConfig  # noqa: E402
-from compshard.pipeline import SCHEDULES, StepLoss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
-from compshard.pipeline_stages import Partition, build_stage_module, partition_stages  # noqa: E402
+from compshard.pipelining.runner import SCHEDULES, StepLoss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
+from compshard.pipelining.stages import Partition, build_stage_module, partition_stages  # noqa: E402
 
-assert set(SCHEDULES) == set(SCHEDULE_NAMES), "SCHEDULE_NAMES lists compshard.pipeline.SCHEDULES for --help"
+assert set(SCHEDULES) == set(SCHEDULE_NAMES), "SCHEDULE_NAMES lists compshard.pipelining.runner.SCHEDULES for --help"
 
 Step = Callable[[], torch.Tensor]  # one training step; returns the global-mean loss
 

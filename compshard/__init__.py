@@ -21,7 +21,7 @@ from compshard.comm import ops  # noqa: F401  (registers the compshard:: custom 
 from compshard.compile_plan import ScheduleError
 from compshard.grad_sync import no_sync, set_requires_gradient_sync
 from compshard.options import CompileOptions
-from compshard.pipeline import Pipeline, PipelineReport, pipeline
+from compshard.pipelining.runner import Pipeline, PipelineReport, pipeline
 from compshard.predict.inspection import Report, inspect
 from compshard.predict.prediction import PlanReport, plan
 from compshard.sharding import ShardingConfig, shard, sharding_config

@@ -27,8 +27,8 @@ from compshard.backend import record_compiles
 from compshard.grad_sync import grad_sync_state, reduce_accumulated_gradients
 from compshard.models import GPT, GPTConfig
 from compshard.options import CompileOptions
-from compshard.pipeline import bubble_fraction, compiles_stage
-from compshard.pipeline_stages import build_stage_module, partition_stages
+from compshard.pipelining.runner import bubble_fraction, compiles_stage
+from compshard.pipelining.stages import build_stage_module, partition_stages
 from compshard.step_gather import gathered_for_step
 from tests.distributed import run_distributed
 from tests.models import make_model

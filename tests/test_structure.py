@@ -9,7 +9,8 @@
 - Layers: the kernels import nothing of compshard outside ``compshard.kernels`` but its
   logging, the communication layer (``compshard.comm``) nothing but the kernels and the
   compile plan's error type; the passes import nothing of the API above them (what calls
-  the passes).
+  the passes); the prediction (``compshard.predict``) and the pipeline
+  (``compshard.pipelining``) are imported by nothing but ``compshard`` itself.
 - Private modules (a name part starting with ``_``) need no ``__all__``.
 """
 
@@ -29,14 +30,16 @@ LOWER_LAYERS = {
     "compshard.kernels": {"compshard.logs"},
     "compshard.comm": {"compshard.compile_plan", "compshard.kernels"},
 }
+# The user-facing layers above the backend: only ``compshard`` itself (which exports
+# their functions) imports them, and neither imports the other.
+TOP_LAYERS = ("compshard.predict", "compshard.pipelining")
 # The modules and packages that run the passes or face the user (and ``compshard``
 # itself): a pass importing one reaches up.
 ABOVE_THE_PASSES = {
     "compshard.backend",
     "compshard.sharding",
     "compshard.predict",
-    "compshard.pipeline",
-    "compshard.pipeline_stages",
+    "compshard.pipelining",
     "compshard.checkpoint",
     "compshard.compile_cache",
     "compshard.tensor_parallel",
@@ -132,6 +135,9 @@ def test_lower_layers_import_nothing_above_them():
                     for m in imported
                     if not _within(m, layer) and not any(_within(m, a) for a in allowed)
                 ]
+        for top in TOP_LAYERS:
+            if module != "compshard" and not _within(module, top):
+                upward += [f"{module} -> {m}" for m in imported if _within(m, top)]
         if module.startswith("compshard.passes"):
             upward += [
                 f"{module} -> {m}"

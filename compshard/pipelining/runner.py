@@ -1,7 +1,7 @@
 """``compshard.pipeline``: pipeline-parallel training over stages cut by a graph pass.
 
 The forward is captured and cut into ``stages`` contiguous stages balanced by estimated
-cost (``compshard.pipeline_stages``); each rank runs one stage with
+cost (``compshard.pipelining.stages``); each rank runs one stage with
 ``torch.distributed.pipelining`` (``PipelineStage`` and its ``ScheduleGPipe`` /
 ``Schedule1F1B``) over ``microbatches`` micro-batches. With more ranks than stages the
 ranks form a 2-D mesh ``(pp, dp)``: every stage is replicated over ``dp`` ranks, and each
@@ -70,7 +70,7 @@ from compshard import cost_model
 from compshard.backend import asks_for_graph_work
 from compshard.grad_sync import no_sync, reduce_accumulated_gradients
 from compshard.options import CompileOptions
-from compshard.pipeline_stages import Partition, build_stage_module, partition_stages, stage_io_meta
+from compshard.pipelining.stages import Partition, build_stage_module, partition_stages, stage_io_meta
 from compshard.sharding import shard
 from compshard.step_gather import gathered_for_step
 from compshard.torch_compat import TORCH_2_13
