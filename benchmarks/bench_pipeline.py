@@ -108,7 +108,7 @@ import compshard  # noqa: E402
 from compshard import cost_model  # noqa: E402
 from compshard.models import GPTConfig  # noqa: E402
 from compshard.pipelining.runner import SCHEDULES, StepLoss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
-from compshard.pipelining.stages import Partition, build_stage_module, partition_stages  # noqa: E402
+from compshard.pipelining.stages import StageSplit, build_stage_module, split_stages  # noqa: E402
 
 assert set(SCHEDULES) == set(SCHEDULE_NAMES), "SCHEDULE_NAMES lists compshard.pipelining.runner.SCHEDULES for --help"
 
@@ -123,12 +123,12 @@ class System(NamedTuple):
     """One system's training step, its cut, and what it holds (for peak memory)."""
 
     step: Step
-    partition: Partition
+    split: StageSplit
     stage: nn.Module  # this rank's stage module
     opt: torch.optim.Optimizer
 
 
-def with_optimizer(stage: nn.Module, pipeline_step: Step, partition: Partition) -> System:
+def with_optimizer(stage: nn.Module, pipeline_step: Step, split: StageSplit) -> System:
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
 
     def step() -> torch.Tensor:
@@ -137,7 +137,7 @@ def with_optimizer(stage: nn.Module, pipeline_step: Step, partition: Partition) 
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return System(step, partition, stage, opt)
+    return System(step, split, stage, opt)
 
 
 def build_compshard(
@@ -156,7 +156,7 @@ def build_compshard(
         compile_options=args.options if compiled else None,
         reshard=reshard,
     )
-    return with_optimizer(pipe.module, lambda: pipe.step(x, y), pipe.partition)
+    return with_optimizer(pipe.module, lambda: pipe.step(x, y), pipe.split)
 
 
 def build_system(
@@ -176,13 +176,13 @@ def build_fsdp2(
     x, y = batch
     micro_batch = (x[: x.shape[0] // args.microbatches],)
     costs = cost_model.calibrate(dist.group.WORLD.group_name, device)  # measured once per process: compshard's
-    partition = partition_stages(model, micro_batch, args.stages, costs=costs)
+    split = split_stages(model, micro_batch, args.stages, costs=costs)
     index, stages = mesh["pp"].get_local_rank(), args.stages
-    module = build_stage_module(partition, index)
+    module = build_stage_module(split, index)
     fully_shard(module, mesh=mesh["dp"])
     stage = PipelineStage(module, index, stages, device, group=mesh["pp"].get_group())
     schedule = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=gpt_loss)
-    tied = tied_gradient_groups(partition, mesh, dict(module.named_parameters()))
+    tied = tied_gradient_groups(split, mesh, dict(module.named_parameters()))
     step_loss = StepLoss(mesh)
     is_first, is_last = index == 0, index == stages - 1
 
@@ -197,7 +197,7 @@ def build_fsdp2(
         sum_tied_gradients(tied)
         return step_loss(losses, device)
 
-    return with_optimizer(module, pipeline_step, partition)
+    return with_optimizer(module, pipeline_step, split)
 
 
 def timed(step: Step) -> tuple[float, float]:
@@ -235,7 +235,7 @@ def main(args: argparse.Namespace) -> None:
 
     systems = {name: build_system(name, copy.deepcopy(reference), batch, mesh, args, device) for name in args.systems}
     steps = {name: system.step for name, system in systems.items()}
-    cuts = {name: system.partition.cut_points for name, system in systems.items()}
+    cuts = {name: system.split.cut_points for name, system in systems.items()}
     if len({tuple(cut) for cut in cuts.values()}) != 1:
         raise SystemExit(f"the systems cut the model differently: {cuts}")
 
