@@ -11,6 +11,7 @@
   compile plan's error type; the passes import nothing of the API above them (what calls
   the passes); the prediction (``compshard.predict``) and the pipeline
   (``compshard.pipelining``) are imported by nothing but ``compshard`` itself.
+- Every module lies in one of ``LAYERS`` and imports nothing of a later one.
 - Private modules (a name part starting with ``_``) need no ``__all__``.
 """
 
@@ -24,6 +25,19 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "compshard"
+# The package's layers, lowest first (docs/architecture.md's module map): a module
+# imports nothing of a later layer. Each name is a top-level module or subpackage.
+LAYERS = [
+    {"compile_plan", "options", "torch_compat", "module_tree", "tensor_parallel", "clip"},
+    {"sizes", "timeline", "logs"},
+    {"kernels"},
+    {"comm"},
+    {"compile_cache", "cost_model"},
+    {"eager_gather", "grad_sync"},
+    {"passes"},
+    {"inductor_regions", "sharding", "step_gather", "checkpoint", "backend"},
+    {"predict", "pipelining", "models"},
+]
 # The lowest layers, each with the only compshard modules (or packages) outside it that
 # it may import.
 LOWER_LAYERS = {
@@ -122,6 +136,27 @@ def test_module_level_imports_form_no_cycle():
 
 def _within(module: str, package: str) -> bool:
     return module == package or module.startswith(package + ".")
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted({m.split(".")[1] for m in MODULES if m != "compshard"} - set().union(*LAYERS))
+    assert not unplaced, f"modules or subpackages in no layer of LAYERS (add them where they belong): {unplaced}"
+
+
+def test_no_module_imports_a_later_layer():
+    upward = [
+        f"{module} -> {target}"
+        for module, path in MODULES.items()
+        if module != "compshard"
+        for target in {_target(m, n) for m, n in _imports(path, module_level=False)}
+        if target != "compshard" and _layer(target) > _layer(module)
+    ]
+    assert not upward, "imports of a later layer (see LAYERS):\n" + "\n".join(sorted(upward))
 
 
 def test_lower_layers_import_nothing_above_them():
