@@ -110,7 +110,7 @@ class ParamSpec:
     compute_device: torch.device | None  # offload: where the shard is copied to before gathering
 
     # compshard::unshard's arguments after the shard and before the gradient sync ones
-    # (see compshard.ops.UnshardArgs), derived from the fields above. A stored field, not a
+    # (see compshard.comm.ops.UnshardArgs), derived from the fields above. A stored field, not a
     # property: Dynamo would trace a property's code at every parameter read.
     unshard_args: tuple = field(init=False, repr=False, compare=False)
 
