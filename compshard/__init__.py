@@ -3,8 +3,8 @@
     compshard.shard(model)
     step_model = torch.compile(model, backend="compshard")
 
-docs/architecture.md maps the data flow from ``shard()`` to the executed graph and the
-module where each decision is made.
+docs/architecture.md maps the package's layers, the data flow from ``shard()`` to the
+executed graph and the module where each decision is made.
 """
 
 from __future__ import annotations
@@ -21,9 +21,8 @@ from compshard.comm import ops  # noqa: F401  (registers the compshard:: custom 
 from compshard.compile_plan import ScheduleError
 from compshard.grad_sync import no_sync, set_requires_gradient_sync
 from compshard.options import CompileOptions
-from compshard.pipelining.runner import Pipeline, PipelineReport, pipeline
-from compshard.predict.inspection import Report, inspect
-from compshard.predict.prediction import PlanReport, plan
+from compshard.pipelining import Pipeline, PipelineReport, pipeline
+from compshard.predict import PlanReport, Report, inspect, plan
 from compshard.sharding import ShardingConfig, shard, sharding_config
 
 # Installed, the backend is known through its entry point and Dynamo registers it when

@@ -411,7 +411,7 @@ def test_stages_compile_and_reduce_gradients_once_per_step(world_size, case):
         # one graph per stage (no recompile after the first step) and compshard schedules it
         # (a forward and a backward graph); where it reads parameters gathered for the step,
         # or unsharded ones, there is nothing to schedule and the stage runs as built
-        # (pipeline.compiles_stage), with compile=True too
+        # (pipelining.runner.compiles_stage), with compile=True too
         scheduled = compile and sharded and reshard == "per_microbatch"
         assert got["captured"] == (1 if scheduled else 0), f"rank {rank}: {got['captured']} graphs captured"
         assert got["graphs"] == (["backward", "forward"] if scheduled else []), f"rank {rank}: {got['graphs']}"
