@@ -12,7 +12,7 @@ deadline (``timeout``) after which every process is killed and TimeoutError rais
 An exception in any worker is re-raised here with its traceback.
 
 [Note: forkserver] A spawned rank imports torch and compshard afresh, seconds of CPU per
-rank, and the suite starts well over a hundred process groups. Ranks are forked instead
+rank, and the suite starts dozens of process groups. Ranks are forked instead
 from one forkserver that imported them once (a run then starts in a fraction of a
 second). The server keeps the environment it started with, and torch reads some
 variables (``TORCHINDUCTOR_*``) when it is imported, so a run whose environment differs
