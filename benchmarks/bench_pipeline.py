@@ -8,13 +8,13 @@
 The ranks form a (pp, dp) mesh: --stages pipeline stages, each sharded over
 world/--stages data-parallel ranks (4 processes: 2 stages x 2 shards). Every system
 trains the same GPT (compshard.models, from the same weights) on the same batch, cut at
-the same place (compshard.pipeline_stages on one micro-batch; the benchmark checks that
+the same place (compshard.pipelining.stages on one micro-batch; the benchmark checks that
 the cuts agree), with the same schedule and micro-batches, in the same processes:
 
 - compshard: compshard.pipeline with compile=True (--options are its compile options)
   and reshard="per_step" (the default): each stage sharded with compshard.shard, and
   compiled with the compshard backend only where the options ask for graph work
-  (compshard.pipeline.compiles_stage; else it runs as built); the stage's parameters
+  (compshard.pipelining.runner.compiles_stage; else it runs as built); the stage's parameters
   are all-gathered once per step, in buckets of at most bucket_mb, and held through
   every micro-batch; gradients accumulate over the micro-batches and are
   reduce-scattered once per step, in buckets.
@@ -65,7 +65,7 @@ from typing import NamedTuple
 from cli import add_workload_arguments, make_parser, parse_options, parse_systems, parse_workload_arguments
 
 SYSTEM_NAMES = ("compshard", "compshard-per-microbatch", "compshard-eager", "fsdp2")
-SCHEDULE_NAMES = ("1f1b", "gpipe")  # compshard.pipeline.SCHEDULES (checked below)
+SCHEDULE_NAMES = ("1f1b", "gpipe")  # compshard.pipelining.runner.SCHEDULES (checked below)
 LOSS_RTOL = 1e-5
 
 
@@ -107,10 +107,10 @@ from torch.distributed.pipelining import PipelineStage  # noqa: E402
 import compshard  # noqa: E402
 from compshard import cost_model  # noqa: E402
 from compshard.models import GPTConfig  # noqa: E402
-from compshard.pipeline import SCHEDULES, StepLoss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
-from compshard.pipeline_stages import Partition, build_stage_module, partition_stages  # noqa: E402
+from compshard.pipelining.runner import SCHEDULES, StepLoss, sum_tied_gradients, tied_gradient_groups  # noqa: E402
+from compshard.pipelining.stages import StageSplit, build_stage_module, split_stages  # noqa: E402
 
-assert set(SCHEDULES) == set(SCHEDULE_NAMES), "SCHEDULE_NAMES lists compshard.pipeline.SCHEDULES for --help"
+assert set(SCHEDULES) == set(SCHEDULE_NAMES), "SCHEDULE_NAMES lists compshard.pipelining.runner.SCHEDULES for --help"
 
 Step = Callable[[], torch.Tensor]  # one training step; returns the global-mean loss
 
@@ -123,12 +123,12 @@ class System(NamedTuple):
     """One system's training step, its cut, and what it holds (for peak memory)."""
 
     step: Step
-    partition: Partition
+    split: StageSplit
     stage: nn.Module  # this rank's stage module
     opt: torch.optim.Optimizer
 
 
-def with_optimizer(stage: nn.Module, pipeline_step: Step, partition: Partition) -> System:
+def with_optimizer(stage: nn.Module, pipeline_step: Step, split: StageSplit) -> System:
     opt = torch.optim.AdamW(stage.parameters(), lr=1e-3)
 
     def step() -> torch.Tensor:
@@ -137,7 +137,7 @@ def with_optimizer(stage: nn.Module, pipeline_step: Step, partition: Partition) 
         opt.zero_grad(set_to_none=True)
         return loss
 
-    return System(step, partition, stage, opt)
+    return System(step, split, stage, opt)
 
 
 def build_compshard(
@@ -156,7 +156,7 @@ def build_compshard(
         compile_options=args.options if compiled else None,
         reshard=reshard,
     )
-    return with_optimizer(pipe.module, lambda: pipe.step(x, y), pipe.partition)
+    return with_optimizer(pipe.module, lambda: pipe.step(x, y), pipe.split)
 
 
 def build_system(
@@ -176,13 +176,13 @@ def build_fsdp2(
     x, y = batch
     micro_batch = (x[: x.shape[0] // args.microbatches],)
     costs = cost_model.calibrate(dist.group.WORLD.group_name, device)  # measured once per process: compshard's
-    partition = partition_stages(model, micro_batch, args.stages, costs=costs)
+    split = split_stages(model, micro_batch, args.stages, costs=costs)
     index, stages = mesh["pp"].get_local_rank(), args.stages
-    module = build_stage_module(partition, index)
+    module = build_stage_module(split, index)
     fully_shard(module, mesh=mesh["dp"])
     stage = PipelineStage(module, index, stages, device, group=mesh["pp"].get_group())
     schedule = SCHEDULES[args.schedule](stage, args.microbatches, loss_fn=gpt_loss)
-    tied = tied_gradient_groups(partition, mesh, dict(module.named_parameters()))
+    tied = tied_gradient_groups(split, mesh, dict(module.named_parameters()))
     step_loss = StepLoss(mesh)
     is_first, is_last = index == 0, index == stages - 1
 
@@ -197,7 +197,7 @@ def build_fsdp2(
         sum_tied_gradients(tied)
         return step_loss(losses, device)
 
-    return with_optimizer(module, pipeline_step, partition)
+    return with_optimizer(module, pipeline_step, split)
 
 
 def timed(step: Step) -> tuple[float, float]:
@@ -235,7 +235,7 @@ def main(args: argparse.Namespace) -> None:
 
     systems = {name: build_system(name, copy.deepcopy(reference), batch, mesh, args, device) for name in args.systems}
     steps = {name: system.step for name, system in systems.items()}
-    cuts = {name: system.partition.cut_points for name, system in systems.items()}
+    cuts = {name: system.split.cut_points for name, system in systems.items()}
     if len({tuple(cut) for cut in cuts.values()}) != 1:
         raise SystemExit(f"the systems cut the model differently: {cuts}")
 

@@ -9,7 +9,7 @@ backward and AdamW step, ranks aligned by a barrier before each) and measured as
 bench_step measures it: the median step time (the largest per-rank median) and the
 per-rank peak bytes of CPU/GPU tensors of one forward and backward (bytes held at its
 start plus the largest rise of the allocator's allocations; the largest over ranks).
-Then every rank times the machine (``compshard.hardware.measure``: the cost model's
+Then every rank times the machine (``compshard.predict.hardware.measure``: the cost model's
 constants sustained, the host work per parameter tensor) and rank 0 plans the same
 model, batch and options with ``compshard.plan(..., world_size=<this run's>,
 hardware=<that>)`` while the others wait (as ``hardware="measured"`` does); the plan is
@@ -108,7 +108,7 @@ def measure_and_plan(args: argparse.Namespace, reference, batch, world_size: int
     result = results["compshard"]
     per_rank: list = [None] * world_size
     dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes))
-    machine = compshard.hardware.measure(device, world_size)  # collective
+    machine = compshard.predict.hardware.measure(device, world_size)  # collective
     # Rank 0 plans (in a subprocess) while the other ranks wait, as compshard.plan(...,
     # hardware="measured") does: its timings are scaled to the training load by the
     # calibration matmul, timed while every rank ran it.

@@ -19,7 +19,7 @@ communication's share of the step, "link busy" the collectives' seconds over the
 Then the published torchtitan figures (benchmarks/llama3_h100_202412_torchtitan.md in
 pytorch/torchtitan: eager FSDP2, 8 and 128 H100s, 5,762 and 5,605 tokens/s per GPU,
 82.4 and 67.0 GiB) against the prediction for the same setup on two presets: the H100
-SXM datasheet part, and the HBM2e 500 W part those runs used (see compshard.hardware);
+SXM datasheet part, and the HBM2e 500 W part those runs used (see compshard.predict.hardware);
 and, at 128 GPUs, with compshard's default max_inflight_mb.
 
 Each plan compiles the model's first 3 and 4 blocks on fake tensors and extends the
@@ -48,7 +48,7 @@ TORCHTITAN = {8: (5762, 82.4), 128: (5605, 67.0)}
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = make_parser(__doc__)
     parser.add_argument("--ranks", default="8,64,512", help="comma-separated world sizes")
-    parser.add_argument("--hardware", default="h100-sxm", help="compshard.hardware preset of the scaling table")
+    parser.add_argument("--hardware", default="h100-sxm", help="compshard.predict.hardware preset of the scaling table")
     parser.add_argument("--layers", type=int, default=32, help="decoder layers")
     parser.add_argument("--batch", type=int, default=2, help="local batch (sequences per GPU)")
     parser.add_argument("--seq", type=int, default=8192, help="sequence length")

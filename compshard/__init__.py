@@ -3,8 +3,8 @@
     compshard.shard(model)
     step_model = torch.compile(model, backend="compshard")
 
-docs/architecture.md maps the data flow from ``shard()`` to the executed graph and the
-module where each decision is made.
+docs/architecture.md maps the package's layers, the data flow from ``shard()`` to the
+executed graph and the module where each decision is made.
 """
 
 from __future__ import annotations
@@ -13,19 +13,16 @@ __version__ = "0.1.0"  # the one place the version is written (pyproject.toml re
 
 import torch
 
-from compshard import (
-    checkpoint,
-    ops,  # noqa: F401  (registers the compshard:: custom ops)
-)
+from compshard import checkpoint
 from compshard.backend import compshard_backend
 from compshard.checkpoint import full_state_dict
 from compshard.clip import clip_grad_norm_
+from compshard.comm import ops  # noqa: F401  (registers the compshard:: custom ops)
 from compshard.compile_plan import ScheduleError
 from compshard.grad_sync import no_sync, set_requires_gradient_sync
 from compshard.options import CompileOptions
-from compshard.pipeline import Pipeline, PipelineReport, pipeline
-from compshard.plan import PlanReport, plan
-from compshard.report import Report, inspect
+from compshard.pipelining import Pipeline, PipelineReport, pipeline
+from compshard.predict import PlanReport, Report, inspect, plan
 from compshard.sharding import ShardingConfig, shard, sharding_config
 
 # Installed, the backend is known through its entry point and Dynamo registers it when

@@ -42,7 +42,8 @@ from torch._functorch._aot_autograd.autograd_cache import BypassAOTAutogradCache
 from torch._functorch._aot_autograd.schemas import SerializableAOTDispatchCompiler
 from torch._inductor.output_code import OutputCode
 
-from compshard import compile_cache, cost_model, logs, rank_exchange, sharding
+from compshard import compile_cache, cost_model, logs, sharding
+from compshard.comm import rank_exchange
 from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan
 from compshard.options import CompileOptions
 from compshard.passes import PassContext, run_passes
@@ -135,7 +136,7 @@ def asks_for_graph_work(options: CompileOptions) -> bool:
 def schedules_nothing(gm: fx.GraphModule, options: CompileOptions) -> bool:
     """Whether compshard has nothing to do in the Dynamo graph ``gm``: it reads no sharded
     parameter (no compshard op, so nothing to gather, reduce or free: the model is not
-    sharded, or ``compshard.gathered_for_step`` holds its parameters gathered), and
+    sharded, or ``compshard.step_gather.gathered_for_step`` holds its parameters gathered), and
     ``options`` ask for no work on its joint graph (``recompute="none"``, no
     ``memory_budget_mb``) and no Inductor codegen.
 

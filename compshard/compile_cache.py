@@ -44,8 +44,8 @@ import torch.distributed as dist
 from torch import fx
 
 from compshard import logs
+from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.options import CompileOptions
-from compshard.rank_exchange import exchange_across_ranks
 
 __all__ = [
     "KeyParts",

@@ -34,8 +34,8 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
 
+from compshard.comm.ops import resolve_group
 from compshard.compile_cache import remembered_costs
-from compshard.ops import resolve_group
 from compshard.sizes import nbytes, size_hint
 
 __all__ = [

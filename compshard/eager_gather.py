@@ -69,7 +69,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from compshard.ops import UnshardArgs
+from compshard.comm.ops import UnshardArgs
 from compshard.torch_compat import constant_lookup
 
 __all__ = ["EagerReductions", "accumulate_grad", "gather", "install_call_scope", "needs_call_scope", "recomputing"]

@@ -36,8 +36,7 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import torch
 from torch import nn
 
-from compshard.eager_gather import EagerReductions, accumulate_grad
-from compshard.ops import (
+from compshard.comm.ops import (
     ShardLayout,
     averaging_ranks,
     exchanged_rows,
@@ -47,6 +46,7 @@ from compshard.ops import (
     sum_over_ranks,
     sum_rows_into_shards,
 )
+from compshard.eager_gather import EagerReductions, accumulate_grad
 from compshard.options import CompileOptions
 
 __all__ = [
@@ -216,9 +216,9 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
     the gradients packed rank-major (row ``r`` of a ``[world_size, S]`` tensor holds rank
     ``r``'s rows of every gradient, zero-padded, as the compiled backward packs a bucket)
     and divided by the ranks (and ``divide_by``) as they are packed, that tensor reduced by
-    ``compshard::reduce_grad``'s collectives (:func:`compshard.ops.sum_over_ranks`; its
+    ``compshard::reduce_grad``'s collectives (:func:`compshard.comm.ops.sum_over_ranks`; its
     ``Shard(0)`` row is this rank's), then unpacked. Where the reduction is an exchange
-    and a sum (:func:`compshard.ops.reduce_scatters_by_exchange`) and there is no replica
+    and a sum (:func:`compshard.comm.ops.reduce_scatters_by_exchange`) and there is no replica
     group, the exchanged rows are summed straight into each gradient's shard as they are
     unpacked, as the compiled backward does: no buffer of the sums, no copy of it. The
     arithmetic per element is that op's for each gradient alone (divide, then sum; one

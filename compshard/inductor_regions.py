@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from compshard.ops import direct_call
+from compshard.comm.ops import direct_call
 from compshard.passes.fx_utils import is_view
 
 __all__ = ["compile_regions", "is_owned"]

@@ -47,7 +47,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from compshard import cost_model, eager_gather, liveness, ops, tensor_parallel
+from compshard import cost_model, eager_gather, tensor_parallel
+from compshard.comm import liveness, ops
 from compshard.grad_sync import GradSync
 from compshard.module_tree import outermost_match, repeated_block, repeated_containers
 from compshard.torch_compat import constant_lookup
@@ -109,7 +110,7 @@ class ParamSpec:
     compute_device: torch.device | None  # offload: where the shard is copied to before gathering
 
     # compshard::unshard's arguments after the shard and before the gradient sync ones
-    # (see compshard.ops.UnshardArgs), derived from the fields above. A stored field, not a
+    # (see compshard.comm.ops.UnshardArgs), derived from the fields above. A stored field, not a
     # property: Dynamo would trace a property's code at every parameter read.
     unshard_args: tuple = field(init=False, repr=False, compare=False)
 

@@ -46,8 +46,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from compshard.comm.ops import ShardLayout, all_gather_rows, group_rank
 from compshard.grad_sync import DEFAULT_BUCKET_BYTES, consecutive_buckets, grad_sync_state
-from compshard.ops import ShardLayout, all_gather_rows, group_rank
 from compshard.sharding import ParamSpec
 
 __all__ = ["gathered_for_step"]
@@ -79,7 +79,7 @@ def gathered_for_step(module: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_B
     """Gather ``module``'s parameters once on entry and let every parameter read in the
     block return them (see the module docstring for the memory this holds)::
 
-        with compshard.gathered_for_step(model):
+        with gathered_for_step(model):
             for x, y in micro_batches:
                 step_model(x, y).backward()          # no collective
             reduce_accumulated_gradients(model, divide_by=len(micro_batches))
@@ -89,7 +89,9 @@ def gathered_for_step(module: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_B
     at the same point."""
     state = grad_sync_state(module)
     if state.step_gathered is not None:
-        raise RuntimeError("compshard.gathered_for_step: the module's parameters are already gathered for this step")
+        raise RuntimeError(
+            "compshard.step_gather.gathered_for_step: the module's parameters are already gathered for this step"
+        )
     state.step_gathered = _gather(module, bucket_bytes)
     try:
         yield module

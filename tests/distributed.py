@@ -10,6 +10,13 @@ returns the workers' (picklable) results by rank. Process groups have a timeout
 (``pg_timeout`` seconds; ``PROCESS_GROUP_TIMEOUT`` by default); the whole run has a
 deadline (``timeout``) after which every process is killed and TimeoutError raised.
 An exception in any worker is re-raised here with its traceback.
+
+[Note: forkserver] A spawned rank imports torch and compshard afresh, seconds of CPU per
+rank, and the suite starts dozens of process groups. Ranks are forked instead
+from one forkserver that imported them once (a run then starts in a fraction of a
+second). The server keeps the environment it started with, and torch reads some
+variables (``TORCHINDUCTOR_*``) when it is imported, so a run whose environment differs
+from the server's (a test that set a variable) is spawned, as before.
 """
 
 from __future__ import annotations
@@ -26,6 +33,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=120)
+_PRELOADED = ["torch", "compshard", "tests.distributed"]
+_VARYING = ("PYTEST_CURRENT_TEST",)  # pytest rewrites it for every test
+_server_environment: dict[str, str] | None = None
+
+
+def _start_method() -> str:
+    """The start method: forkserver while the environment is the server's, else spawn."""
+    global _server_environment
+    environment = {key: value for key, value in os.environ.items() if key not in _VARYING}
+    if _server_environment is None:  # the server starts with the first run
+        mp.set_forkserver_preload(_PRELOADED)
+        _server_environment = environment
+    return "forkserver" if environment == _server_environment else "spawn"
 
 
 def _entry(
@@ -57,7 +77,7 @@ def run_distributed(
             args=(worker, world_size, out_dir, args, group_timeout),
             nprocs=world_size,
             join=False,
-            start_method="spawn",
+            start_method=_start_method(),
         )
         deadline = time.monotonic() + timeout
         try:

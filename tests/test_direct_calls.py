@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from compshard import ops
+from compshard.comm import ops
 
 WORLD, SHARD_NUMELS, NUMELS = 2, [3, 4], [5, 8]
 

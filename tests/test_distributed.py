@@ -16,7 +16,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import compshard
-from compshard import cost_model, ops
+from compshard import cost_model
+from compshard.comm import ops
 from compshard.compile_plan import COLLECTIVE_KINDS, NodeMeta, node_meta
 from compshard.passes.fx_utils import aliases, gathered_buffers
 from tests.allocations import allocations, peak_rise

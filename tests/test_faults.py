@@ -31,7 +31,8 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.tensor import DTensor
 
 import compshard
-from compshard import checkpoint, rank_exchange
+from compshard import checkpoint
+from compshard.comm import rank_exchange
 from tests.models import make_model
 from tests.training import adamw, local_batch
 

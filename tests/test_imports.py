@@ -3,7 +3,7 @@
 Every ``import`` of a ``compshard`` module counts, at module level or inside a function
 (an import deferred into a function hides a cycle, it does not remove it). An import
 names the module it reads from: ``from compshard.passes.fx_utils import emit`` is an edge
-to ``compshard.passes.fx_utils``, ``from compshard import ops`` one to ``compshard.ops``.
+to ``compshard.passes.fx_utils``, ``from compshard.comm import ops`` one to ``compshard.comm.ops``.
 Importing a module also runs the ``__init__`` of the packages it lies in, so it is an
 edge to those packages too, except to the packages the importing module lies in itself
 (they are being initialized already: a package's ``__init__`` importing its own modules
@@ -87,7 +87,7 @@ def test_the_check_finds_a_cycle():
 
 def test_the_graph_sees_deferred_relative_and_package_imports():
     graph = _graph()
-    assert "compshard.kernels" in graph["compshard.ops"]  # imported inside a function
+    assert "compshard.kernels" in graph["compshard.comm.ops"]  # imported inside a function
     assert "compshard.kernels.reference" in graph["compshard.kernels.bucket_copy"]  # a relative import
     assert "compshard.passes" in graph["compshard.backend"]  # the package of compshard.passes.partition
     assert "compshard.passes" not in graph["compshard.passes.prefetch"]  # its own package

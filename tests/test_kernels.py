@@ -30,8 +30,8 @@ import torch
 import torch.nn.functional as F
 
 import compshard.kernels as K
+from compshard.comm.ops import ShardLayout
 from compshard.kernels import _triton_launch
-from compshard.ops import ShardLayout
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 DTYPE_PAIRS = [(a, b) for a in DTYPES for b in DTYPES]

@@ -1,4 +1,4 @@
-"""Pipeline parallelism: the partition pass (in process) and training with
+"""Pipeline parallelism: the stage split (in process) and training with
 ``compshard.pipeline`` (stages compiled with the compshard backend, and eager) against
 single-process eager training (gloo: 2 stages on 2 processes, 2 stages x 2 data-parallel
 shards on 4, the shards gathered per step and per micro-batch), with the number of
@@ -27,8 +27,8 @@ from compshard.backend import record_compiles
 from compshard.grad_sync import grad_sync_state, reduce_accumulated_gradients
 from compshard.models import GPT, GPTConfig
 from compshard.options import CompileOptions
-from compshard.pipeline import bubble_fraction, compiles_stage
-from compshard.pipeline_stages import build_stage_module, partition_stages
+from compshard.pipelining.runner import bubble_fraction, compiles_stage
+from compshard.pipelining.stages import build_stage_module, split_stages
 from compshard.step_gather import gathered_for_step
 from tests.distributed import run_distributed
 from tests.models import make_model
@@ -55,16 +55,16 @@ def balance_gpt():
 
 
 @pytest.mark.parametrize("stages", [2, 4])
-def test_gpt_partition_is_balanced_and_runs_as_the_model(balance_gpt, stages):
+def test_gpt_split_is_balanced_and_runs_as_the_model(balance_gpt, stages):
     model, tokens = balance_gpt
-    partition = partition_stages(model, (tokens,), stages)
-    costs = [stage.cost_seconds for stage in partition.stages]
+    split = split_stages(model, (tokens,), stages)
+    costs = [stage.cost_seconds for stage in split.stages]
     assert max(costs) <= 1.1 * min(costs), f"stage costs {costs}"
 
-    modules = [build_stage_module(partition, k) for k in range(stages)]
+    modules = [build_stage_module(split, k) for k in range(stages)]
     names = [name for module in modules for name, _ in module.named_parameters()]
     assert sorted(names) == sorted([name for name, _ in model.named_parameters()] + ["wte.weight"] * (stages > 1))
-    assert partition.tied == {"wte.weight": [0, stages - 1]}
+    assert split.tied == {"wte.weight": [0, stages - 1]}
     assert all(set(m.state_dict()) <= set(model.state_dict()) for m in modules)
     for module in modules:  # the model's own tensors, not copies
         assert all(p is model.get_parameter(name) for name, p in module.named_parameters())
@@ -75,7 +75,7 @@ def test_gpt_partition_is_balanced_and_runs_as_the_model(balance_gpt, stages):
         sent = sent if isinstance(sent, tuple) else (sent,)
     torch.testing.assert_close(sent[0], model(tokens), rtol=0, atol=0)
 
-    table = str(partition)
+    table = str(split)
     assert all(re.search(rf"^{k}\s", table, re.M) for k in range(stages)), table
     assert "blocks.0" in table and "lm_head" in table and "tied: wte.weight" in table
 
@@ -97,16 +97,16 @@ def test_stages_send_and_receive_only_contiguous_tensors():
     # the most stages the model allows: only contiguous activations cross a cut, and each
     # stage's gradient for what it received (transposed inside it) comes back contiguous
     model, x = _Transposing(), torch.randn(4, 8)
-    most = partition_stages(model, (x,), 2).max_stages
-    partition = partition_stages(model, (x,), most)
-    crossing = [node.meta["val"] for stage in partition.stages[1:] for node in stage.inputs]
+    most = split_stages(model, (x,), 2).max_stages
+    split = split_stages(model, (x,), most)
+    crossing = [node.meta["val"] for stage in split.stages[1:] for node in stage.inputs]
     assert crossing and all(value.is_contiguous() for value in crossing)
     inputs, received, sent = (x,), [], []  # received[k]: what stage k + 1 received
     for k in range(most):
         if k:
             inputs = tuple(value.detach().requires_grad_() for value in sent[-1])
             received.append(inputs)
-        output = build_stage_module(partition, k)(*inputs)
+        output = build_stage_module(split, k)(*inputs)
         sent.append(output if isinstance(output, tuple) else (output,))
     torch.testing.assert_close(sent[-1][0], model(x), rtol=0, atol=0)
     # each stage's gradients for what it received, as torch's stages take them (not
@@ -121,10 +121,10 @@ def test_stages_send_and_receive_only_contiguous_tensors():
 
 def test_too_many_stages_names_the_maximum():
     model, (tokens, _) = make_model("gpt")
-    most = partition_stages(model, (tokens,), 2).max_stages
-    assert len(partition_stages(model, (tokens,), most).stages) == most
+    most = split_stages(model, (tokens,), 2).max_stages
+    assert len(split_stages(model, (tokens,), most).stages) == most
     with pytest.raises(ValueError, match=rf"stages={most + 1} .* at most {most}\b"):
-        partition_stages(model, (tokens,), most + 1)
+        split_stages(model, (tokens,), most + 1)
 
 
 @pytest.mark.parametrize(
@@ -263,7 +263,7 @@ def _train(
         **collectives,
         "sharded": [isinstance(p, DTensor) and p.to_local().numel() < p.numel() for p in pipe.module.parameters()],
         "bubble": report.bubble_fraction,
-        "released": all(held.tensor.is_meta for stage in pipe.partition.stages for held in stage.state.values()),
+        "released": all(held.tensor.is_meta for stage in pipe.split.stages for held in stage.state.values()),
         "report": str(report),
     }
 
@@ -411,7 +411,7 @@ def test_stages_compile_and_reduce_gradients_once_per_step(world_size, case):
         # one graph per stage (no recompile after the first step) and compshard schedules it
         # (a forward and a backward graph); where it reads parameters gathered for the step,
         # or unsharded ones, there is nothing to schedule and the stage runs as built
-        # (pipeline.compiles_stage), with compile=True too
+        # (pipelining.runner.compiles_stage), with compile=True too
         scheduled = compile and sharded and reshard == "per_microbatch"
         assert got["captured"] == (1 if scheduled else 0), f"rank {rank}: {got['captured']} graphs captured"
         assert got["graphs"] == (["backward", "forward"] if scheduled else []), f"rank {rank}: {got['graphs']}"

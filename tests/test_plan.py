@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 
 import compshard
-from compshard import hardware
 from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
 from compshard.cost_model import Costs
-from compshard.hardware import Measured
 from compshard.models import GPT, GPTConfig
+from compshard.predict import hardware
+from compshard.predict.hardware import Measured
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import gpt_plan
 

@@ -230,7 +230,7 @@ def _partial_recompile_worker(rank: int, world_size: int) -> dict:
     import datetime
     import time
 
-    from compshard import rank_exchange
+    from compshard.comm import rank_exchange
 
     rank_exchange.STORE_TIMEOUT = datetime.timedelta(seconds=5)  # the default waits 5 minutes
     torch.manual_seed(0)
@@ -250,7 +250,7 @@ def _partial_recompile_worker(rank: int, world_size: int) -> dict:
 def test_a_recompile_on_some_ranks_only_is_the_same_clear_error_on_every_rank():
     """The recompiling rank waits for the others' schedules, gives up, and says why; the
     rank that ran on (blocked in a collective with it) reports the same error, naming the
-    rank that stopped with it (``compshard.liveness``), not a bare transport error, and not
+    rank that stopped with it (``compshard.comm.liveness``), not a bare transport error, and not
     after the process group's timeout."""
     results = run_distributed(_partial_recompile_worker, 2, timeout=120, pg_timeout=90)
     for result in results:

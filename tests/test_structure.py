@@ -7,7 +7,11 @@
 - Module-level imports between compshard's modules form no cycle (an import inside a
   function is how a lower module reaches a higher one at call time, and says so).
 - Layers: the kernels import nothing of compshard outside ``compshard.kernels`` but its
-  logging; the passes import nothing of the API above them (what calls the passes).
+  logging, the communication layer (``compshard.comm``) nothing but the kernels and the
+  compile plan's error type; the passes import nothing of the API above them (what calls
+  the passes); the prediction (``compshard.predict``) and the pipeline
+  (``compshard.pipelining``) are imported by nothing but ``compshard`` itself.
+- Every module lies in one of ``LAYERS`` and imports nothing of a later one.
 - Private modules (a name part starting with ``_``) need no ``__all__``.
 """
 
@@ -21,15 +25,35 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "compshard"
-# The modules that run the passes or face the user: a pass importing one reaches up.
+# The package's layers, lowest first (docs/architecture.md's module map): a module
+# imports nothing of a later layer. Each name is a top-level module or subpackage.
+LAYERS = [
+    {"compile_plan", "options", "torch_compat", "module_tree", "tensor_parallel", "clip"},
+    {"sizes", "timeline", "logs"},
+    {"kernels"},
+    {"comm"},
+    {"compile_cache", "cost_model"},
+    {"eager_gather", "grad_sync"},
+    {"passes"},
+    {"inductor_regions", "sharding", "step_gather", "checkpoint", "backend"},
+    {"predict", "pipelining", "models"},
+]
+# The lowest layers, each with the only compshard modules (or packages) outside it that
+# it may import.
+LOWER_LAYERS = {
+    "compshard.kernels": {"compshard.logs"},
+    "compshard.comm": {"compshard.compile_plan", "compshard.kernels"},
+}
+# The user-facing layers above the backend: only ``compshard`` itself (which exports
+# their functions) imports them, and neither imports the other.
+TOP_LAYERS = ("compshard.predict", "compshard.pipelining")
+# The modules and packages that run the passes or face the user (and ``compshard``
+# itself): a pass importing one reaches up.
 ABOVE_THE_PASSES = {
-    "compshard",
     "compshard.backend",
     "compshard.sharding",
-    "compshard.report",
-    "compshard.plan",
-    "compshard.pipeline",
-    "compshard.pipeline_stages",
+    "compshard.predict",
+    "compshard.pipelining",
     "compshard.checkpoint",
     "compshard.compile_cache",
     "compshard.tensor_parallel",
@@ -110,14 +134,49 @@ def test_module_level_imports_form_no_cycle():
         visit(module, [])
 
 
+def _within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def _layer(module: str) -> int:
+    top = module.split(".")[1]
+    return next(i for i, names in enumerate(LAYERS) if top in names)
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted({m.split(".")[1] for m in MODULES if m != "compshard"} - set().union(*LAYERS))
+    assert not unplaced, f"modules or subpackages in no layer of LAYERS (add them where they belong): {unplaced}"
+
+
+def test_no_module_imports_a_later_layer():
+    upward = [
+        f"{module} -> {target}"
+        for module, path in MODULES.items()
+        if module != "compshard"
+        for target in {_target(m, n) for m, n in _imports(path, module_level=False)}
+        if target != "compshard" and _layer(target) > _layer(module)
+    ]
+    assert not upward, "imports of a later layer (see LAYERS):\n" + "\n".join(sorted(upward))
+
+
 def test_lower_layers_import_nothing_above_them():
     upward = []
     for module, path in MODULES.items():
         imported = {_target(m, n) for m, n in _imports(path, module_level=False)}
-        if module.startswith("compshard.kernels"):
-            upward += [
-                f"{module} -> {m}" for m in imported if not m.startswith("compshard.kernels") and m != "compshard.logs"
-            ]
+        for layer, allowed in LOWER_LAYERS.items():
+            if _within(module, layer):
+                upward += [
+                    f"{module} -> {m}"
+                    for m in imported
+                    if not _within(m, layer) and not any(_within(m, a) for a in allowed)
+                ]
+        for top in TOP_LAYERS:
+            if module != "compshard" and not _within(module, top):
+                upward += [f"{module} -> {m}" for m in imported if _within(m, top)]
         if module.startswith("compshard.passes"):
-            upward += [f"{module} -> {m}" for m in imported if m in ABOVE_THE_PASSES]
+            upward += [
+                f"{module} -> {m}"
+                for m in imported
+                if m == "compshard" or any(_within(m, above) for above in ABOVE_THE_PASSES)
+            ]
     assert not upward, "imports of a higher layer:\n" + "\n".join(sorted(upward))

@@ -235,7 +235,7 @@ def _schedule(model, batch, rank: int, world_size: int) -> dict:
     one collective per bucket (no coalescing), so the order of reductions is per bucket."""
     report = compshard.inspect(model, *local_batch(batch, rank, world_size), options={"coalesce": "none"})
     sizes = {
-        (node_meta(node).kind, dist.get_world_size(compshard.ops.resolve_group(op_arg(node, "group_name"))))
+        (node_meta(node).kind, dist.get_world_size(compshard.comm.ops.resolve_group(op_arg(node, "group_name"))))
         for gm in report.graphs.values()
         for node in gm.graph.nodes
         if node_meta(node).kind in ("all_gather", "reduce_scatter", "all_reduce")

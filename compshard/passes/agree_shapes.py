@@ -31,9 +31,10 @@ import torch.distributed as dist
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from compshard.comm.ops import resolve_group
+from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import set_node_meta
 from compshard.cost_model import costs_for, node_seconds
-from compshard.ops import resolve_group
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     collective_group,
@@ -45,7 +46,6 @@ from compshard.passes.fx_utils import (
     restore_stashed_vals,
     unshard_args,
 )
-from compshard.rank_exchange import exchange_across_ranks
 from compshard.sizes import size_hint
 
 __all__ = ["agree_shapes", "agree_lowered_shapes"]

@@ -34,9 +34,9 @@ from dataclasses import dataclass
 
 from torch import fx
 
+from compshard.comm.ops import ShardLayout
 from compshard.compile_plan import Bucket, BucketPlan, MiB
 from compshard.module_tree import module_of, outermost_match, repeated_block, repeated_containers
-from compshard.ops import ShardLayout
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import backward_nodes, compshard_ops, gathered_chain, is_op, node_order, unshard_args
 

@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import COLLECTIVE_KINDS, BucketPlan, MiB, ScheduleError, node_meta
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
@@ -57,7 +58,6 @@ from compshard.passes.fx_utils import (
     reads_until,
     scheduled_kind,
 )
-from compshard.rank_exchange import exchange_across_ranks
 
 __all__ = ["schedule_entries", "fingerprint", "check_schedule"]
 

@@ -45,8 +45,9 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import fx
 
+from compshard.comm.ops import group_size
+from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, MiB, node_meta
-from compshard.ops import group_size
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     FakeValues,
@@ -64,7 +65,6 @@ from compshard.passes.fx_utils import (
 from compshard.passes.gather_lowering import gathered_remotely, lower_gathers
 from compshard.passes.memory_model import backend_scratch_bytes, live_bytes, storages
 from compshard.passes.reduce_lowering import lower_reductions, reduced_in_bucket
-from compshard.rank_exchange import exchange_across_ranks
 from compshard.sizes import nbytes
 
 __all__ = ["lowered_peak", "PeakModel", "coalesce_collectives"]

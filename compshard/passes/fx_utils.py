@@ -19,6 +19,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
+from compshard.comm.ops import ReduceGradArgs, UnshardArgs
 from compshard.compile_plan import (
     COLLECTIVE_KINDS,
     META_KEY,
@@ -30,7 +31,6 @@ from compshard.compile_plan import (
     set_node_meta,
 )
 from compshard.module_tree import repeated_block, repeated_containers
-from compshard.ops import ReduceGradArgs, UnshardArgs
 
 __all__ = [
     "aten",

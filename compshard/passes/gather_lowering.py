@@ -11,8 +11,8 @@ from typing import Any
 
 from torch import fx
 
+from compshard.comm.ops import ShardLayout, all_gathers_by_send_recv, resolve_group
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta, ScheduledKind
-from compshard.ops import ShardLayout, all_gathers_by_send_recv, resolve_group
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     FakeValues,

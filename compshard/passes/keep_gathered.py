@@ -40,13 +40,13 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 from torch import fx
 
+from compshard.comm.ops import resolve_group
+from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import BucketPlan, MemoryBudget, MiB
 from compshard.cost_model import collective_seconds, costs_for
-from compshard.ops import resolve_group
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op, unshard_args, unshard_group
 from compshard.passes.recompute_model import BlockRaise, BlockRaises, Level, block_raises
-from compshard.rank_exchange import exchange_across_ranks
 
 __all__ = ["keep_gathered", "smallest_within"]
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from compshard.ops import backend_name
+from compshard.comm.ops import backend_name
 from compshard.passes.fx_utils import (
     c10d,
     compshard_ops,

@@ -14,8 +14,8 @@ from typing import Any
 import torch
 from torch import fx
 
+from compshard.comm.ops import ShardLayout, group_size, reduce_scatters_by_exchange
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta, ScheduledKind
-from compshard.ops import ShardLayout, group_size, reduce_scatters_by_exchange
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     FakeValues,

@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from compshard.comm.ops import simulated_backends
 from compshard.compile_plan import BucketPlan, Coalescing, node_meta
-from compshard.ops import simulated_backends
 from compshard.passes.fx_utils import c10d, collective_groups, compshard_ops
 from compshard.passes.lower_unshard import lower_unshard
 from tests.passes.graphs import before, calls, nodes_of, param_bytes, traced, unshard

@@ -6,7 +6,7 @@ storage) is sharded with ``compshard.shard`` over a ``"fake"`` process group (to
 compiled with the compshard backend through ``compshard.inspect``: the passes build the
 schedule they would build on rank 0 of N real ranks (rank 0 holds the most rows of every
 parameter), deciding with the cost model's constants for the chosen hardware
-(:mod:`compshard.hardware`). The prediction reads that schedule:
+(:mod:`compshard.predict.hardware`). The prediction reads that schedule:
 
 - memory per rank: parameter shards and optimizer state at rest, plus the estimated bytes
   live at the step's peak (``passes/memory_model.py``), split by what holds them:
@@ -18,7 +18,7 @@ parameter), deciding with the cost model's constants for the chosen hardware
   bandwidth (one fused pass), plus the machine's seconds per parameter tensor for the host
   work outside the graphs (``hardware="measured"`` times that host work, the graphs' ops
   and torch's optimizer on rank 0's shard shapes instead of estimating them; see
-  :class:`~compshard.hardware.Measured`).
+  :class:`~compshard.predict.hardware.Measured`).
 
 Depth: compiling a deep model takes minutes (Dynamo, AOTAutograd and the partitioner
 trace every block). With ``depth="auto"`` a model whose blocks form a stack of at least
@@ -60,15 +60,15 @@ from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.parallel import parallelize_module
 
 from compshard import cost_model
-from compshard import hardware as hardware_presets
+from compshard.comm.ops import ShardLayout, simulated_backends
 from compshard.compile_plan import COLLECTIVE_KINDS, MiB, node_meta, set_node_meta
 from compshard.cost_model import Costs, collective_seconds
-from compshard.hardware import Hardware, Measured
-from compshard.ops import ShardLayout, simulated_backends
 from compshard.options import CompileOptions
 from compshard.passes.fx_utils import op_arg, producer, program_collective
 from compshard.passes.memory_model import backend_scratch_bytes, storages
-from compshard.report import Report, inspect
+from compshard.predict import hardware as hardware_presets
+from compshard.predict.hardware import Hardware, Measured
+from compshard.predict.inspection import Report, inspect
 from compshard.sharding import STRATEGIES, shard
 from compshard.sizes import nbytes
 from compshard.timeline import simulate
@@ -159,7 +159,7 @@ class PlanReport:
             ``max_inflight_mb``, whose gathers cannot be prefetched).
         candidates: with ``memory_budget_gib``, a report per configuration tried.
         recommended: the fastest candidate that fits the budget (None: none fits).
-        schedule: the :class:`~compshard.report.Report` planned on (the deeper copy when
+        schedule: the :class:`~compshard.predict.inspection.Report` planned on (the deeper copy when
             extrapolated; None when planned in a subprocess).
     """
 
@@ -321,10 +321,10 @@ def plan(
             real or meta tensors, only their shapes and dtypes are read. The output must
             be a loss (or tensors) requiring grad: the step is its forward and backward.
         world_size: ranks in all (data-parallel ranks times ``tp``).
-        hardware: a preset name (``compshard.hardware.PRESETS``), a
-            :class:`~compshard.hardware.Hardware`, ``"measured"`` (this machine timed, on
+        hardware: a preset name (``compshard.predict.hardware.PRESETS``), a
+            :class:`~compshard.predict.hardware.Hardware`, ``"measured"`` (this machine timed, on
             the current process group: collective, call on every rank; rank 0 plans and
-            every rank returns its report; see :class:`~compshard.hardware.Measured`), or
+            every rank returns its report; see :class:`~compshard.predict.hardware.Measured`), or
             a ``Measured`` timed before (planned on each rank that calls).
         options: backend options, as for ``torch.compile(..., options=...)``.
         sharding: ``compshard.shard`` keywords (``strategy``, ``param_dtype``,

@@ -1,7 +1,7 @@
 """``compshard.pipeline``: pipeline-parallel training over stages cut by a graph pass.
 
 The forward is captured and cut into ``stages`` contiguous stages balanced by estimated
-cost (``compshard.pipeline_stages``); each rank runs one stage with
+cost (``compshard.pipelining.stages``); each rank runs one stage with
 ``torch.distributed.pipelining`` (``PipelineStage`` and its ``ScheduleGPipe`` /
 ``Schedule1F1B``) over ``microbatches`` micro-batches. With more ranks than stages the
 ranks form a 2-D mesh ``(pp, dp)``: every stage is replicated over ``dp`` ranks, and each
@@ -70,7 +70,7 @@ from compshard import cost_model
 from compshard.backend import asks_for_graph_work
 from compshard.grad_sync import no_sync, reduce_accumulated_gradients
 from compshard.options import CompileOptions
-from compshard.pipeline_stages import Partition, build_stage_module, partition_stages, stage_io_meta
+from compshard.pipelining.stages import StageSplit, build_stage_module, split_stages, stage_io_meta
 from compshard.sharding import shard
 from compshard.step_gather import gathered_for_step
 from compshard.torch_compat import TORCH_2_13
@@ -105,7 +105,7 @@ def bubble_fraction(stages: int, microbatches: int) -> float:
 class PipelineReport:
     """What ``Pipeline.describe()`` returns; ``str()`` shows the stages and the schedule."""
 
-    partition: Partition
+    split: StageSplit
     schedule: str
     microbatches: int
     data_parallel: int  # ranks sharding each stage
@@ -115,10 +115,10 @@ class PipelineReport:
 
     @property
     def bubble_fraction(self) -> float:
-        return bubble_fraction(len(self.partition.stages), self.microbatches)
+        return bubble_fraction(len(self.split.stages), self.microbatches)
 
     def __str__(self) -> str:
-        stages = len(self.partition.stages)
+        stages = len(self.split.stages)
         note = " (compile=True, nothing to schedule: run as built)" if self.nothing_to_compile else ""
         header = (
             f"pipeline: {stages} {'compiled' if self.compiled else 'eager'} stages x {self.data_parallel} "
@@ -128,7 +128,7 @@ class PipelineReport:
         )
         if self.data_parallel > 1:
             header += f"\nparameters gathered {self.reshard.replace('_', ' ')}"
-        return f"{header}\n{self.partition}"
+        return f"{header}\n{self.split}"
 
 
 class Pipeline:
@@ -139,12 +139,12 @@ class Pipeline:
             model's names (sharded over the ``dp`` ranks when there are several): give
             them to the optimizer, and save its ``state_dict()`` for checkpoints.
         stage_index: which stage this rank runs.
-        partition: the cut, for every stage (see :meth:`describe`).
+        split: the cut, for every stage (see :meth:`describe`).
     """
 
     def __init__(
         self,
-        partition: Partition,
+        split: StageSplit,
         loss_fn: Callable,
         *,
         schedule: str,
@@ -155,15 +155,15 @@ class Pipeline:
         compile_options: dict[str, Any] | None,
         reshard: Reshard,
     ) -> None:
-        self.partition = partition
+        self.split = split
         self._input_shapes = input_shapes
         self._schedule_name = schedule
         self._microbatches = microbatches
         self._data_parallel = mesh["dp"].size() if mesh.ndim == 2 else 1
         self.stage_index = mesh["pp"].get_local_rank()
-        self._stages = len(partition.stages)
-        self.module: fx.GraphModule = build_stage_module(partition, self.stage_index)
-        partition.release_tensors()  # the stage module holds this rank's; sharding may replace them
+        self._stages = len(split.stages)
+        self.module: fx.GraphModule = build_stage_module(split, self.stage_index)
+        split.release_tensors()  # the stage module holds this rank's; sharding may replace them
         self._sharded = self._data_parallel > 1
         if self._sharded:
             shard(self.module, mesh=mesh["dp"])
@@ -178,7 +178,7 @@ class Pipeline:
         # Torch 2.11's PipelineStage infers shapes by running the stage once without
         # gradients, which compiles an extra graph; the captured shapes make that needless.
         # Torch 2.13 infers them from the first step's real forward instead.
-        inputs_meta, outputs_meta = (None, None) if TORCH_2_13 else stage_io_meta(partition, self.stage_index)
+        inputs_meta, outputs_meta = (None, None) if TORCH_2_13 else stage_io_meta(split, self.stage_index)
         # torch.compile of a Module returns an OptimizedModule (a Module); its stub says Callable
         stage = PipelineStage(
             runner,  # type: ignore[arg-type]
@@ -192,7 +192,7 @@ class Pipeline:
         # A sharded stage divides by M in its one reduction per step; the schedule's own
         # division would find no gradient yet.
         self._schedule = SCHEDULES[schedule](stage, microbatches, loss_fn=loss_fn, scale_grads=not self._sharded)
-        self._tied = tied_gradient_groups(partition, mesh, dict(self.module.named_parameters()))
+        self._tied = tied_gradient_groups(split, mesh, dict(self.module.named_parameters()))
         self._step_loss = StepLoss(mesh)
 
     def step(self, inputs: torch.Tensor | Sequence[torch.Tensor], targets: torch.Tensor) -> torch.Tensor:
@@ -241,7 +241,7 @@ class Pipeline:
         """The stages (modules, ops, estimated forward cost, parameter memory before
         sharding) and the schedule's bubble fraction."""
         return PipelineReport(
-            self.partition,
+            self.split,
             self._schedule_name,
             self._microbatches,
             self._data_parallel,
@@ -252,7 +252,7 @@ class Pipeline:
 
 
 def tied_gradient_groups(
-    partition: Partition,
+    split: StageSplit,
     mesh: DeviceMesh,
     params: Mapping[str, nn.Parameter],
 ) -> list[tuple[nn.Parameter, dist.ProcessGroup]]:
@@ -266,7 +266,7 @@ def tied_gradient_groups(
     dp_index = mesh["dp"].get_local_rank() if mesh.ndim == 2 else 0
     created: dict[tuple[int, ...], dist.ProcessGroup] = {}
     groups = []
-    for name, holders in partition.tied.items():
+    for name, holders in split.tied.items():
         for column in range(ranks.shape[1]):
             members = tuple(int(ranks[s, column]) for s in holders)
             if members not in created:
@@ -377,10 +377,10 @@ def _pipeline_mesh(stages: int, mesh: DeviceMesh | None, device: torch.device) -
     return mesh
 
 
-def _check_same_cut(partition: Partition) -> None:
+def _check_same_cut(split: StageSplit) -> None:
     """Every rank must have cut the same way, or the stages would not fit together."""
     cuts: list[list[str] | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(cuts, partition.cut_points)
+    dist.all_gather_object(cuts, split.cut_points)
     if any(c != cuts[0] for c in cuts):
         raise RuntimeError(f"compshard.pipeline: ranks cut the model differently: {cuts}")
 
@@ -466,10 +466,10 @@ def pipeline(
     assert world is not None  # the process group is initialized (checked above)
     costs = cost_model.calibrate(world.group_name, device)
     micro_batch = tuple(a[: batch // microbatches] for a in args)
-    partition = partition_stages(model, micro_batch, stages, costs=costs)
-    _check_same_cut(partition)
+    split = split_stages(model, micro_batch, stages, costs=costs)
+    _check_same_cut(split)
     return Pipeline(
-        partition,
+        split,
         loss_fn,
         schedule=schedule,
         microbatches=microbatches,

@@ -2,7 +2,7 @@
 :func:`compshard.pipeline`; not part of the backend's pass pipeline).
 
 Before: an ``nn.Module`` and one micro-batch of its positional inputs.
-After: a :class:`Partition` — ``K`` contiguous runs of the forward's ATen ops, chosen so
+After: a :class:`StageSplit` — ``K`` contiguous runs of the forward's ATen ops, chosen so
 that the largest estimated stage cost is as small as the cut points allow — from which
 :func:`build_stage_module` makes each stage's module.
 
@@ -30,7 +30,7 @@ those with the smallest largest parameter memory per stage are taken.
 Tied parameters (one tensor registered under several names, like GPT's ``wte.weight`` and
 ``lm_head.weight``) go by the name ``model.named_parameters()`` gives them (the first).
 When their uses land in different stages, each of those stages holds the tensor, and
-:attr:`Partition.tied` lists them so that the runner can sum their gradients across
+:attr:`StageSplit.tied` lists them so that the runner can sum their gradients across
 those stages.
 """
 
@@ -46,7 +46,7 @@ from torch.export.graph_signature import InputKind
 
 from compshard.cost_model import Costs, collective_seconds, node_seconds
 
-__all__ = ["COST_SLACK", "Partition", "StagePlan", "build_stage_module", "partition_stages", "stage_io_meta"]
+__all__ = ["COST_SLACK", "StageSplit", "StageSpec", "build_stage_module", "split_stages", "stage_io_meta"]
 
 COST_SLACK = 0.02  # largest stage cost may exceed the minimum by this fraction to save parameter memory
 
@@ -62,7 +62,7 @@ class StatePlaceholder:
 
 
 @dataclass
-class StagePlan:
+class StageSpec:
     """One stage: its ops, what it receives and sends, and its estimated cost."""
 
     index: int
@@ -89,11 +89,11 @@ class StagePlan:
 
 
 @dataclass
-class Partition:
+class StageSplit:
     """The captured forward cut into stages. ``str()`` is a table of the stages."""
 
     graph_module: fx.GraphModule
-    stages: list[StagePlan]
+    stages: list[StageSpec]
     max_stages: int  # 1 + the number of places the forward can be cut
     output_is_tuple: bool
     # parameter name -> the stages holding it, for parameters held by more than one stage
@@ -101,11 +101,11 @@ class Partition:
 
     def release_tensors(self) -> None:
         """Keep meta tensors (same shapes and dtypes) in place of every stage's parameters,
-        buffers and constants, so that holding the partition holds no model memory; the
+        buffers and constants, so that holding the split holds no model memory; the
         table and the costs are unchanged, :func:`build_stage_module` no longer applies."""
-        for plan in self.stages:
-            plan.state = {
-                key: replace(held, tensor=held.tensor.detach().to("meta")) for key, held in plan.state.items()
+        for spec in self.stages:
+            spec.state = {
+                key: replace(held, tensor=held.tensor.detach().to("meta")) for key, held in spec.state.items()
             }
 
     @property
@@ -261,13 +261,13 @@ def _module_summary(ops: list[fx.Node], stage_of: list[int], stage: int) -> list
     return summary
 
 
-def partition_stages(
+def split_stages(
     model: nn.Module,
     example_inputs: tuple[torch.Tensor, ...],
     stages: int,
     *,
     costs: Costs | None = None,
-) -> Partition:
+) -> StageSplit:
     """Capture ``model``'s forward on ``example_inputs`` (one micro-batch) and cut it into
     ``stages`` stages balanced by estimated cost; see the module docstring.
 
@@ -311,13 +311,13 @@ def partition_stages(
 
     stage_of = [k for k in range(stages) for _ in range(bounds[k], bounds[k + 1])]
     flat_outputs = output.args[0]
-    plans = []
+    specs = []
     for k in range(stages):
         start, stop = bounds[k], bounds[k + 1]
         nodes = ops[start:stop]
         used_state = {n.name: state[n.name] for node in nodes for n in node.all_input_nodes if n.name in state}
-        plans.append(
-            StagePlan(
+        specs.append(
+            StageSpec(
                 index=k,
                 nodes=nodes,
                 inputs=user_inputs if k == 0 else live[start],
@@ -328,12 +328,12 @@ def partition_stages(
                 transfer_seconds=cut_seconds.get(start, 0.0) + cut_seconds.get(stop, 0.0),
             )
         )
-    return Partition(
+    return StageSplit(
         graph_module=gm,
-        stages=plans,
+        stages=specs,
         max_stages=max_stages,
         output_is_tuple=not (isinstance(flat_outputs, (tuple, list)) and len(flat_outputs) == 1),
-        tied=_tied(plans),
+        tied=_tied(specs),
     )
 
 
@@ -346,27 +346,27 @@ def _param_uses(ops: list[fx.Node], state: dict[str, StatePlaceholder]) -> dict[
     return uses
 
 
-def _tied(plans: list[StagePlan]) -> dict[str, list[int]]:
+def _tied(specs: list[StageSpec]) -> dict[str, list[int]]:
     holders: dict[str, list[int]] = {}
-    for plan in plans:
-        for name in dict.fromkeys(plan.param_names):
-            holders.setdefault(name, []).append(plan.index)
+    for spec in specs:
+        for name in dict.fromkeys(spec.param_names):
+            holders.setdefault(name, []).append(spec.index)
     return {name: stages for name, stages in holders.items() if len(stages) > 1}
 
 
-def stage_io_meta(partition: Partition, index: int) -> tuple[tuple[torch.Tensor, ...], Any]:
+def stage_io_meta(split: StageSplit, index: int) -> tuple[tuple[torch.Tensor, ...], Any]:
     """Meta tensors shaped as one micro-batch's values received and sent by stage
     ``index``, structured as its module's inputs and output (see build_stage_module).
     Given to torch's ``PipelineStage``, they replace its shape inference, which would
     otherwise run (and, with torch 2.11, compile) an extra no-grad forward of the stage."""
-    plan = partition.stages[index]
+    spec = split.stages[index]
 
     def meta(node: fx.Node) -> torch.Tensor:
         return torch.empty(node.meta["val"].shape, dtype=node.meta["val"].dtype, device="meta")
 
-    sent = tuple(meta(n) for n in plan.outputs)
-    is_last = index == len(partition.stages) - 1
-    return tuple(meta(n) for n in plan.inputs), sent[0] if is_last and not partition.output_is_tuple else sent
+    sent = tuple(meta(n) for n in spec.outputs)
+    is_last = index == len(split.stages) - 1
+    return tuple(meta(n) for n in spec.inputs), sent[0] if is_last and not split.output_is_tuple else sent
 
 
 class _ContiguousGradient(torch.autograd.Function):
@@ -389,7 +389,7 @@ def contiguous_gradient(value: torch.Tensor) -> torch.Tensor:
     return _ContiguousGradient.apply(value)
 
 
-def build_stage_module(partition: Partition, index: int) -> fx.GraphModule:
+def build_stage_module(split: StageSplit, index: int) -> fx.GraphModule:
     """The module of stage ``index``: its ops as an FX graph, its parameters and buffers
     registered under their original qualified names (the original tensors, not copies).
 
@@ -398,27 +398,27 @@ def build_stage_module(partition: Partition, index: int) -> fx.GraphModule:
     tuple when the model returns several). Every stage but the first passes what it
     receives through :func:`contiguous_gradient` first.
     """
-    plan = partition.stages[index]
+    spec = split.stages[index]
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
-    for node in plan.inputs:
+    for node in spec.inputs:
         env[node] = graph.placeholder(node.name)
         env[node].meta = dict(node.meta)
         if index > 0:
             env[node] = graph.call_function(contiguous_gradient, (env[node],))
             env[node].meta = dict(node.meta)
-    for placeholder, held in plan.state.items():
-        node = next(n for n in partition.graph_module.graph.nodes if n.name == placeholder)
+    for placeholder, held in spec.state.items():
+        node = next(n for n in split.graph_module.graph.nodes if n.name == placeholder)
         env[node] = graph.get_attr(held.name)
         env[node].meta = dict(node.meta)
-    for node in plan.nodes:
+    for node in spec.nodes:
         env[node] = graph.node_copy(node, lambda n: env[n])
-    sent = [env[n] for n in plan.outputs]
-    is_last = index == len(partition.stages) - 1
-    graph.output(sent[0] if is_last and not partition.output_is_tuple else tuple(sent))
+    sent = [env[n] for n in spec.outputs]
+    is_last = index == len(split.stages) - 1
+    graph.output(sent[0] if is_last and not split.output_is_tuple else tuple(sent))
 
     skeleton = nn.Module()
-    for held in plan.state.values():
+    for held in spec.state.values():
         *path, leaf = held.name.split(".")
         owner = skeleton
         for part in path:
@@ -435,7 +435,7 @@ def build_stage_module(partition: Partition, index: int) -> fx.GraphModule:
     # put back the skeleton's own so buffers keep their persistence.
     for name, child in skeleton.named_children():
         stage.add_module(name, child)
-    for held in plan.state.values():
+    for held in spec.state.values():
         if "." not in held.name and not held.is_parameter:
             stage.register_buffer(held.name, held.tensor, persistent=held.persistent)
     return stage

@@ -59,7 +59,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 
-from compshard import liveness
+from compshard.comm import liveness
 
 __all__ = [
     "GRAD_SYNC_MODES",
@@ -279,9 +279,9 @@ def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> li
 
 class _Watched(dist.Work):
     """gloo works waited as one, the wait marked as blocked in a collective of
-    ``group_name`` (:func:`compshard.liveness.blocked`: a rank waiting to compile a graph
+    ``group_name`` (:func:`compshard.comm.liveness.blocked`: a rank waiting to compile a graph
     this rank does not run learns so at once). A wait that fails raises the failure of the
-    rank that caused it (:func:`compshard.liveness.raise_published`), compiled or not."""
+    rank that caused it (:func:`compshard.comm.liveness.raise_published`), compiled or not."""
 
     def __init__(self, works: list[dist.Work], group_name: str) -> None:
         super().__init__()

@@ -5,7 +5,7 @@ while store reads and writes cannot; so the compile-time exchanges (the shapes t
 estimates use, the coalescing plan, the schedule fingerprints) go through the process
 group's store, not a collective.
 
-A wait for the other ranks' values watches them (:mod:`compshard.liveness`): a rank that
+A wait for the other ranks' values watches them (:mod:`compshard.comm.liveness`): a rank that
 published a failure (an error, or that it exited) or stopped beating ends the wait
 within seconds with an error naming it, never a ``ScheduleError`` about shapes. A rank
 that beats while it waits in a collective of the exchange's process group is running a
@@ -26,9 +26,9 @@ import time
 
 import torch.distributed as dist
 
-from compshard import liveness
+from compshard.comm import liveness
+from compshard.comm.ops import resolve_group
 from compshard.compile_plan import ScheduleError
-from compshard.ops import resolve_group
 
 __all__ = ["STORE_TIMEOUT", "exchange_across_ranks", "raise_if_a_rank_stopped"]
 
