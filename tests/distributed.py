@@ -16,12 +16,16 @@ rank, and the suite starts dozens of process groups. Ranks are forked instead
 from one forkserver that imported them once (a run then starts in a fraction of a
 second). The server keeps the environment it started with, and torch reads some
 variables (``TORCHINDUCTOR_*``) when it is imported, so a run whose environment differs
-from the server's (a test that set a variable) is spawned, as before.
+from the server's (a test that set a variable) is spawned, as before. The server must be
+single-threaded when it forks (a thread's locks would be copied held): numpy's OpenBLAS
+starts a thread pool at import unless ``OPENBLAS_NUM_THREADS=1``, set before it starts.
+A rank that dies of a signal leaves Python's fault traceback, which the error carries.
 """
 
 from __future__ import annotations
 
 import datetime
+import faulthandler
 import os
 import tempfile
 import time
@@ -41,11 +45,15 @@ _server_environment: dict[str, str] | None = None
 def _start_method() -> str:
     """The start method: forkserver while the environment is the server's, else spawn."""
     global _server_environment
-    environment = {key: value for key, value in os.environ.items() if key not in _VARYING}
     if _server_environment is None:  # the server starts with the first run
+        os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
         mp.set_forkserver_preload(_PRELOADED)
-        _server_environment = environment
-    return "forkserver" if environment == _server_environment else "spawn"
+        _server_environment = _environment()
+    return "forkserver" if _environment() == _server_environment else "spawn"
+
+
+def _environment() -> dict[str, str]:
+    return {key: value for key, value in os.environ.items() if key not in _VARYING}
 
 
 def _entry(
@@ -56,6 +64,8 @@ def _entry(
     args: tuple,
     pg_timeout: datetime.timedelta = PROCESS_GROUP_TIMEOUT,
 ) -> None:
+    faults = open(os.path.join(out_dir, f"faults{rank}.txt"), "w")  # open while the process lives
+    faulthandler.enable(faults)
     torch.set_num_threads(1)
     os.environ["GLOO_SOCKET_IFNAME"] = "lo"
     store = dist.FileStore(os.path.join(out_dir, "store"), world_size)
@@ -65,6 +75,15 @@ def _entry(
         torch.save(result, os.path.join(out_dir, f"{rank}.pt"))
     finally:
         dist.destroy_process_group()
+
+
+def _fault_tracebacks(out_dir: str, world_size: int) -> str:
+    texts = []
+    for rank in range(world_size):
+        with open(os.path.join(out_dir, f"faults{rank}.txt")) as faults:
+            if text := faults.read().strip():
+                texts.append(f"rank {rank}:\n{text}")
+    return "\n".join(texts) or "(no rank left a fault traceback)"
 
 
 def run_distributed(
@@ -86,6 +105,8 @@ def run_distributed(
                     raise TimeoutError(
                         f"distributed test {worker.__name__} (world size {world_size}) ran past {timeout}s"
                     )
+        except mp.ProcessExitedException as error:
+            raise RuntimeError(f"{error}\n{_fault_tracebacks(out_dir, world_size)}") from error
         finally:
             for process in context.processes:
                 if process.is_alive():
