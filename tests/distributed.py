@@ -80,7 +80,10 @@ def _entry(
 def _fault_tracebacks(out_dir: str, world_size: int) -> str:
     texts = []
     for rank in range(world_size):
-        with open(os.path.join(out_dir, f"faults{rank}.txt")) as faults:
+        path = os.path.join(out_dir, f"faults{rank}.txt")
+        if not os.path.exists(path):  # the rank died before its entry ran
+            continue
+        with open(path) as faults:
             if text := faults.read().strip():
                 texts.append(f"rank {rank}:\n{text}")
     return "\n".join(texts) or "(no rank left a fault traceback)"
