@@ -24,6 +24,10 @@ What torch cannot know, this module adds:
   every rank compiles.
 - A marker per key saved (under :func:`marker_dir`), so that a rank which expected its
   entry and could not load it (deleted, truncated, corrupt) says so in a warning.
+
+compshard's own files (markers, kept figures) travel in torch's cache artifacts too, as
+:class:`FileArtifact`: ``save_cache_artifacts`` includes every one this process read or
+wrote, and ``load_cache_artifacts`` puts them under :func:`marker_dir`.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ import hashlib
 import json
 import os
 import pathlib
-import socket
+import platform
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -42,6 +46,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from torch import fx
+from torch.compiler._cache import CacheArtifact, CacheArtifactFactory, CacheArtifactManager
 
 from compshard import logs
 from compshard.comm.rank_exchange import exchange_across_ranks
@@ -58,6 +63,7 @@ __all__ = [
     "marker_dir",
     "current_attempt",
     "remembered_costs",
+    "FileArtifact",
 ]
 
 # "recompiled": this rank could load its entry, another could not; "bypass": torch could not key the graph
@@ -196,6 +202,8 @@ class Attempt:
             return cls(key, group_name, number, expected=False)
         except (OSError, UnicodeDecodeError):
             return cls(key, group_name, number, expected=True, marker_damaged=True)
+        if content == key:
+            _record(marker.name, content)
         return cls(key, group_name, number, expected=True, marker_damaged=content != key)
 
     def agree(self, loaded: bool, kind: str) -> bool:
@@ -236,6 +244,7 @@ class Attempt:
         directory = marker_dir()
         directory.mkdir(parents=True, exist_ok=True)
         _write_whole(directory / self.key, self.key)
+        _record(self.key, self.key)
 
 
 COSTS_VERSION = 1  # of the kept figures' format: figures of another version are measured again
@@ -244,25 +253,26 @@ COSTS_VERSION = 1  # of the kept figures' format: figures of another version are
 def remembered_costs(
     group: dist.ProcessGroup, device: torch.device, measure: Callable[[], tuple[float, ...]]
 ) -> tuple[float, ...]:
-    """The cost constants of ``group`` as an earlier launch on this host measured and agreed
-    them, where every rank of the group kept them; else ``measure()``'s, kept for the next
-    launch. Collective over ``group``: every rank calls it where calibration happens.
+    """The cost constants of ``group`` as an earlier launch measured and agreed them, where
+    every rank of the group kept them; else ``measure()``'s, kept for the next launch.
+    Collective over ``group``: every rank calls it where calibration happens.
 
     Calibration measures anew at each launch, and its figures vary by tens of percent from
     one launch to the next on the same machine: with fresh figures the key (which holds
     them) would never match. Kept figures make a warm launch decide, and key, with the
-    cold launch's. They are kept per host, rank, group, device and compshard version;
-    with torch's caches off (:func:`enabled`) nothing is kept. To measure again, delete
-    ``costs-*`` under :func:`marker_dir`."""
+    cold launch's. They are kept per rank, group, device model and compshard version, not
+    per host, so a job restarted on other hosts of the same kind (a shared cache
+    directory, or cache artifacts) keeps its figures too: they steer only how fast the
+    schedule runs, never what it computes. With torch's caches off (:func:`enabled`)
+    nothing is kept. To measure again, delete ``costs-*`` under :func:`marker_dir`."""
     if not enabled() or dist.get_backend(group) == "fake":
         return measure()
     identity = repr(
         (
-            socket.gethostname(),
             dist.get_rank(),
             dist.get_process_group_ranks(group),
             str(dist.get_backend(group)),
-            device.type,
+            _device_model(device),
             _source_digest(),
         )
     )
@@ -277,10 +287,19 @@ def remembered_costs(
         values = tuple(agreed.tolist())
     else:
         values = measure()
+    record = json.dumps({"version": COSTS_VERSION, "costs": list(values)})
     if values != kept:
         path.parent.mkdir(parents=True, exist_ok=True)
-        _write_whole(path, json.dumps({"version": COSTS_VERSION, "costs": list(values)}))
+        _write_whole(path, record)
+    _record(path.name, record)
     return values
+
+
+def _device_model(device: torch.device) -> str:
+    """What kind of device ``device`` is, as far as calibration's figures depend on it."""
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"{device.type}:{platform.machine()}"
 
 
 def _read_costs(path: pathlib.Path) -> tuple[float, ...] | None:
@@ -294,11 +313,40 @@ def _read_costs(path: pathlib.Path) -> tuple[float, ...] | None:
     return costs if version == COSTS_VERSION else None
 
 
-def _write_whole(path: pathlib.Path, text: str) -> None:
-    """Write ``text`` to ``path`` so that a reader sees it complete or not at all."""
+def _write_whole(path: pathlib.Path, content: str | bytes) -> None:
+    """Write ``content`` to ``path`` so that a reader sees it complete or not at all."""
     temporary = path.with_name(f".{path.name}.{os.getpid()}")
-    temporary.write_text(text)
+    if isinstance(content, bytes):
+        temporary.write_bytes(content)
+    else:
+        temporary.write_text(content)
     temporary.replace(path)
+
+
+@CacheArtifactFactory.register
+class FileArtifact(CacheArtifact):
+    """One of compshard's files under :func:`marker_dir` (a marker, kept calibration
+    figures) in torch's cache artifacts: ``key`` is its name, ``content`` its bytes.
+    Loading it (``torch.compiler.load_cache_artifacts``, with compshard imported, which
+    registers this type) writes the file under :func:`marker_dir` as it is then
+    configured; a name that is not a plain file name is not written."""
+
+    def populate_cache(self) -> None:
+        if pathlib.PurePath(self.key).name != self.key or self.key.startswith("."):
+            logs.log.warning("compshard: cache artifact %r is not a file name: not written", self.key)
+            return
+        directory = marker_dir()
+        directory.mkdir(parents=True, exist_ok=True)
+        _write_whole(directory / self.key, self.content)
+
+    @staticmethod
+    def type() -> str:
+        return "compshard"
+
+
+def _record(name: str, content: str) -> None:
+    """Put the file ``name`` under :func:`marker_dir` into this process's cache artifacts."""
+    CacheArtifactManager.record_artifact(FileArtifact.type(), name, content.encode())
 
 
 _attempts: list[Attempt] = []  # the backend's open attempts (one per Dynamo graph being compiled)

@@ -7,6 +7,7 @@ A block's language says whether it runs:
   ``# torchrun --standalone --nproc-per-node N example.py`` runs under torchrun with N
   processes instead; one that joins the job when launched by torchrun
   (``if "RANK" in os.environ:``) runs both in one process and under torchrun with 2.
+  Blocks run with torch's caches on, as a user's do, in a cache folder of their own.
 - ```text (output, diagrams) and ```bash (shell commands) blocks are shown, not run
   (``SHOWN``); the README's two commands run in CI (``.ci/run``, checked by
   tests/test_readme.py).
@@ -79,8 +80,15 @@ def runnable(paths: list[pathlib.Path]) -> list[Block]:
     return [block for path in paths for block in blocks(path) if block.language in RUNS]
 
 
-def env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+def env(folder: pathlib.Path) -> dict[str, str]:
+    """A user's environment: this checkout importable, and torch's caches on as by default
+    (the suite turns the AOTAutograd cache off), in a cache folder of the block's own."""
+    outer = {key: value for key, value in os.environ.items() if key != "TORCHINDUCTOR_AUTOGRAD_CACHE"}
+    return {
+        **outer,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+        "TORCHINDUCTOR_CACHE_DIR": str(folder / "torch_cache"),
+    }
 
 
 def run(block: Block, folder: pathlib.Path, processes: int = 1) -> subprocess.CompletedProcess:
@@ -93,4 +101,5 @@ def run(block: Block, folder: pathlib.Path, processes: int = 1) -> subprocess.Co
         if processes == 1
         else [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(processes)]
     )
-    return subprocess.run([*launcher, str(script)], capture_output=True, text=True, timeout=300, cwd=folder, env=env())
+    command = [*launcher, str(script)]
+    return subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=folder, env=env(folder))

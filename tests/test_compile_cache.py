@@ -10,8 +10,8 @@ AOTAutograd cache.
   compiles again), rank 0's entries truncated (a warning on rank 0, every rank compiles
   again), then a launch from a fresh cache directory filled only by
   ``torch.compiler.load_cache_artifacts`` with what ``save_cache_artifacts`` returned
-  (every graph loaded). Losses and parameters of every launch equal the cold launch's
-  bit for bit.
+  (every graph loaded: the artifacts carry compshard's kept calibration figures and
+  markers too). Losses and parameters of every launch equal the cold launch's bit for bit.
   Calibration's figures are kept for the next launch, and measured again on every rank
   when one rank lost them.
 """
@@ -153,24 +153,22 @@ def _worker(rank: int, world_size: int, root: str) -> dict:
             path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
     dist.barrier()
     launches["truncated"] = _launch(rank)
-    launches["moved"] = _launch_from_artifacts(rank, pathlib.Path(root) / f"moved{rank}", cache_dir)
+    launches["moved"] = _launch_from_artifacts(rank, pathlib.Path(root) / f"moved{rank}")
     launches["costs"] = _remembered_costs(rank, pathlib.Path(root) / f"costs{rank}")
     return launches
 
 
-def _launch_from_artifacts(rank: int, fresh: pathlib.Path, cache_dir: pathlib.Path) -> dict:
+def _launch_from_artifacts(rank: int, fresh: pathlib.Path) -> dict:
     """A launch whose cache directory holds only what torch's cache artifacts of this
-    process carry. The calibration figures stay where they were kept (as on a host that
-    keeps ``COMPSHARD_CACHE_DIR``): artifacts carry torch's entries, not compshard's files."""
+    process carry: torch's entries, and compshard's markers and kept calibration figures
+    (without the figures, calibration would measure anew, the key change and every graph
+    compile)."""
     artifacts = torch.compiler.save_cache_artifacts()
     assert artifacts is not None
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(fresh)
-    os.environ["COMPSHARD_CACHE_DIR"] = str(cache_dir / "compshard")
-    try:
-        torch.compiler.load_cache_artifacts(artifacts[0])
-        return _launch(rank)
-    finally:
-        del os.environ["COMPSHARD_CACHE_DIR"]
+    torch.compiler.load_cache_artifacts(artifacts[0])
+    carried = sorted(path.name for path in compile_cache.marker_dir().iterdir())
+    return {**_launch(rank), "carried": carried}
 
 
 def _remembered_costs(rank: int, directory: pathlib.Path) -> list[tuple[float, ...]]:
@@ -218,6 +216,9 @@ def test_a_truncated_entry_is_recompiled_with_a_warning(launches):
 def test_cache_artifacts_carry_the_entries_to_a_fresh_directory(launches):
     for rank in launches:
         assert rank["moved"]["from_cache"] == [("forward", True), ("backward", True)]
+        carried = rank["moved"]["carried"]
+        assert any(name.startswith("costs-") for name in carried)  # the figures the key holds
+        assert any(not name.startswith("costs-") for name in carried)  # the markers
 
 
 def test_calibration_figures_are_kept_for_the_next_launch(launches):
