@@ -132,12 +132,18 @@ def _region_module(
 def _compile_region(region: fx.GraphModule, inputs: list[fx.Node], kind: str) -> Callable[[list], Sequence[Any]]:
     """Inductor on one region, in a tracing context of its own: the step's context
     describes the whole graph (its donated inputs, static inputs, output strides), which
-    must not be read for, or written by, a region's inputs and outputs."""
+    must not be read for, or written by, a region's inputs and outputs. Through Inductor's
+    FX graph cache, which Inductor skips while AOTAutograd's bundled cache is on (the
+    backend turns that on for its own entry, which carries the scheduled graphs, not the
+    regions): off here, so equal regions compile once and a warm launch loads them."""
     from torch._guards import TracingContext, detect_fake_mode, tracing
     from torch._inductor.compile_fx import compile_fx_inner
 
     example_inputs = [value.meta["val"] for value in inputs]
-    with tracing(TracingContext(detect_fake_mode(example_inputs))):
+    with (
+        tracing(TracingContext(detect_fake_mode(example_inputs))),
+        torch._functorch.config.patch(bundled_autograd_cache=False),
+    ):
         return compile_fx_inner(
             region, example_inputs, is_backward=kind == "backward", is_inference=kind == "inference"
         )
