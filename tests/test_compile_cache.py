@@ -95,6 +95,46 @@ def test_key_parts_follow_the_graph_inputs_and_options():
     )
 
 
+def _vals(gm: fx.GraphModule) -> list[list]:
+    """Each node's ``val`` as the facts a loaded graph keeps: sizes, strides, dtype, device
+    and ``requires_grad`` of every tensor (symbolic sizes as their expressions)."""
+    return [
+        [
+            (str(t.shape), str(t.stride()), t.dtype, t.device, t.requires_grad) if isinstance(t, torch.Tensor) else t
+            for t in torch.utils._pytree.tree_leaves(node.meta.get("val"))
+        ]
+        for node in gm.graph.nodes
+    ]
+
+
+@pytest.mark.parametrize("tracing_mode", ["fake", "symbolic"])
+def test_a_scheduled_graph_loads_with_the_tensor_facts_it_was_saved_with(tracing_mode):
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from compshard.compile_plan import CompilePlan
+
+    def step(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return (x @ w.t()).relu(), w.t()  # a view among the values
+
+    gm = make_fx(step, tracing_mode=tracing_mode)(torch.randn(8, 4), torch.randn(3, 4))
+    weight = next(node for node in gm.graph.nodes if node.op == "placeholder" and node.name.startswith("w"))
+    weight.meta["val"].requires_grad_(True)  # as a parameter's value in a joint graph
+    saved = _vals(gm)
+    fake_mode = detect_fake_mode([node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"])
+    output = backend.ScheduledOutput("forward", gm, CompilePlan(0), CompileOptions(), auto=False)
+    output.prepare_for_serialization()
+    loaded = output._load([node.meta["val"] for node in gm.graph.nodes if node.op == "placeholder"])
+    assert loaded is not None
+    assert _vals(loaded) == saved
+    for node in loaded.graph.nodes:
+        for value in torch.utils._pytree.tree_leaves(node.meta.get("val")):
+            if isinstance(value, torch.Tensor):
+                assert isinstance(value, FakeTensor) and value.fake_mode is fake_mode
+                assert not value._is_view()  # GraphPickler cannot keep a view's base
+
+
 def _launch(rank: int) -> dict:
     """One launch: a fresh compile of a freshly sharded GPT, 3 AdamW steps; the losses, this
     rank's parameter rows, each scheduled graph's origin (from the cache or compiled), the
