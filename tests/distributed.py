@@ -22,8 +22,9 @@ starts a thread pool at import unless ``OPENBLAS_NUM_THREADS=1``, set before it 
 A rank that dies of a signal leaves Python's fault traceback, which the error carries.
 
 The server also imports what nearly every rank imports later, once instead of per rank:
-the compile stack that a rank's first ``torch.compile`` loads (Inductor's modules, about a
-second of CPU), and the real-model zoo's libraries (``tests.real_models`` first, so that
+the compile stack that a rank's first ``torch.compile`` loads (Inductor's and export's
+modules, about a second of CPU), pytest (which a test module, imported to unpickle its
+worker, imports), and the real-model zoo's libraries (``tests.real_models`` first, so that
 its torchvision fix is in place before transformers and timm import torchvision). None of
 them starts a thread at import; a library that is not installed is skipped.
 """
@@ -48,6 +49,9 @@ _PRELOADED = [
     "compshard",
     "tests.distributed",
     "torch._inductor.compile_fx",
+    "torch.export._trace",
+    "torch.distributed.tensor.experimental",
+    "pytest",
     "tests.real_models",
     "transformers.modeling_utils",
     "timm",
