@@ -20,6 +20,13 @@ from the server's (a test that set a variable) is spawned, as before. The server
 single-threaded when it forks (a thread's locks would be copied held): numpy's OpenBLAS
 starts a thread pool at import unless ``OPENBLAS_NUM_THREADS=1``, set before it starts.
 A rank that dies of a signal leaves Python's fault traceback, which the error carries.
+
+The server also imports what nearly every rank imports later, once instead of per rank:
+the compile stack that a rank's first ``torch.compile`` loads (Inductor's and export's
+modules, about a second of CPU), pytest (which a test module, imported to unpickle its
+worker, imports), and the real-model zoo's libraries (``tests.real_models`` first, so that
+its torchvision fix is in place before transformers and timm import torchvision). None of
+them starts a thread at import; a library that is not installed is skipped.
 """
 
 from __future__ import annotations
@@ -37,7 +44,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 PROCESS_GROUP_TIMEOUT = datetime.timedelta(seconds=120)
-_PRELOADED = ["torch", "compshard", "tests.distributed"]
+_PRELOADED = [
+    "torch",
+    "compshard",
+    "tests.distributed",
+    "torch._inductor.compile_fx",
+    "torch.export._trace",
+    "torch.distributed.tensor.experimental",
+    "pytest",
+    "tests.real_models",
+    "transformers.modeling_utils",
+    "timm",
+    "torchvision.models",
+]
 _VARYING = ("PYTEST_CURRENT_TEST",)  # pytest rewrites it for every test
 _server_environment: dict[str, str] | None = None
 
