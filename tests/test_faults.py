@@ -36,6 +36,8 @@ from compshard.comm import rank_exchange
 from tests.models import make_model
 from tests.training import adamw, local_batch
 
+pytestmark = pytest.mark.exclusive  # times how soon a fault ends every rank (conftest)
+
 FAULT_SECONDS = 15  # every rank ends within this of the fault
 RUN_SECONDS = 120  # a whole spawn's deadline: past it the test fails, its processes killed
 FAULTY = 1  # the rank a fault is injected on

@@ -247,6 +247,7 @@ def _partial_recompile_worker(rank: int, world_size: int) -> dict:
     return {"error": None}
 
 
+@pytest.mark.exclusive  # times how soon the error ends every rank (conftest)
 def test_a_recompile_on_some_ranks_only_is_the_same_clear_error_on_every_rank():
     """The recompiling rank waits for the others' schedules, gives up, and says why; the
     rank that ran on (blocked in a collective with it) reports the same error, naming the

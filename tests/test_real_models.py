@@ -463,6 +463,7 @@ def test_unequal_local_batches_match_the_global_batch(name, rows):
         _assert_parity(rank, got)
 
 
+@pytest.mark.exclusive  # runs the routed groups' spawns, whose errors are timed (conftest)
 def test_premises_hold():
     """The entries exercise what they are there for: OLMo's clamp changes the loss, and the
     MoE models' ranks route to different numbers of experts."""
@@ -473,6 +474,7 @@ def test_premises_hold():
         assert len(hit[0]) == 2 and hit[0] != hit[1], (name, hit)
 
 
+@pytest.mark.exclusive  # the errors' times are compared (conftest)
 @pytest.mark.parametrize("mode", MODES)
 def test_data_dependent_routing_trains_or_fails_alike_on_every_rank(mode):
     """Experts looped over in Python (transformers' "eager" experts), ranks routing to
