@@ -64,7 +64,8 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
     if not hasattr(item.config, "workerinput"):  # a serial run
         yield
         return
-    with _turn(os.environ[LOCKS], exclusive=_is_exclusive(item), keep=_is_exclusive(item) and _is_exclusive(nextitem)):
+    exclusive = _is_exclusive(item)
+    with _turn(os.environ[LOCKS], exclusive=exclusive, keep=exclusive and _is_exclusive(nextitem)):
         yield
 
 
