@@ -18,7 +18,8 @@ one-layer GPT per system, so one-time process costs fall on none); each system a
 --repeats times (round-robin over the systems) and the median is reported, with its
 ratio to aot_eager's. For compshard the seconds of each pass (summed over the graphs
 of one compile: Dynamo's, the joint, forward and backward) are printed too, the median
-over repeats. A JSON record goes to --out.
+over repeats, and for every system where its first step went, by torch's own compile
+timers on rank 0 (``PHASES``). A JSON record goes to --out.
 
 Warm restarts (``--restarts``, run with plain ``python``, not torchrun): a user who
 restarts a job. For each depth and each entry of --restarts (``compshard:fx``,
@@ -58,14 +59,46 @@ from compshard import backend
 from compshard.models import GPT, GPTConfig
 
 SYSTEMS = ("compshard", "aot_eager", "inductor")
+# Where a first step goes, from torch's compile timers (torch._dynamo.utils.
+# compilation_time_metrics: seconds by timer name). Each phase adds the timers after "+"
+# and takes away those after "-", which run inside the first (torch nests them).
+PHASES = {
+    "Dynamo: bytecode tracing": ("+bytecode_tracing",),
+    "Dynamo: guards": ("+build_guards",),
+    "AOTAutograd: metadata and joint trace": ("+aot_collect_metadata", "+aot_trace_joint_graph"),
+    "partition and backend, at compile": (
+        "+create_aot_dispatcher_function",
+        "-aot_collect_metadata",
+        "-aot_trace_joint_graph",
+    ),
+    "first backward (backends that compile it there)": ("+backward._backward_impl",),
+    "all of Dynamo's frame compiles": ("+_compile.compile_inner",),
+}
+
+
+def timer_totals() -> dict[str, float]:
+    """Seconds so far of each of torch's compile timers in this process."""
+    return {name: sum(values) for name, values in torch._dynamo.utils.compilation_time_metrics.items()}
+
+
+def phase_seconds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Seconds of each of ``PHASES`` between two ``timer_totals``."""
+
+    def timer(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    return {
+        phase: sum(timer(t[1:]) if t[0] == "+" else -timer(t[1:]) for t in timers) for phase, timers in PHASES.items()
+    }
 
 
 def first_step_seconds(
     system: str, reference: torch.nn.Module, batch: tuple, options: dict | None, loaded: list[int] | None = None
-) -> tuple[float, dict]:
+) -> tuple[float, dict, dict]:
     """Seconds of the first step of a freshly compiled copy of ``reference`` (the largest
-    over ranks), and for compshard the seconds per pass summed over its graphs (graphs
-    loaded from the compile cache ran no pass; their number is appended to ``loaded``)."""
+    over ranks); for compshard the seconds per pass summed over its graphs (graphs
+    loaded from the compile cache ran no pass; their number is appended to ``loaded``);
+    this rank's seconds of each of ``PHASES``."""
     torch._dynamo.reset()
     model = copy.deepcopy(reference)
     if system == "compshard":
@@ -76,6 +109,7 @@ def first_step_seconds(
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if dist.is_initialized():
         dist.barrier()
+    timers = timer_totals()
     with backend.record_compiles() as captured:
         start = time.perf_counter()
         loss = compiled(*batch)
@@ -83,6 +117,7 @@ def first_step_seconds(
         opt.step()
         opt.zero_grad(set_to_none=True)
         elapsed = time.perf_counter() - start
+    phases = phase_seconds(timers, timer_totals())
     if loaded is not None:
         loaded.append(sum(graph.from_cache for graph in captured))
     plans = {graph.plan.number: graph.plan for graph in captured if not graph.from_cache}  # as of its last graph
@@ -94,7 +129,7 @@ def first_step_seconds(
     slowest = torch.tensor([elapsed], dtype=torch.float64)
     if dist.is_initialized():
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return slowest.item(), passes
+    return slowest.item(), passes, phases
 
 
 def parse_args() -> argparse.Namespace:
@@ -166,7 +201,7 @@ def launch(args: argparse.Namespace) -> None:
     warm_up(args, [system], device, options)
     reference, batch = gpt_batch(args, args.layers[0], rank, device)
     loaded: list[int] = []
-    seconds, _ = first_step_seconds(system, reference, batch, options, loaded)
+    seconds, _, _ = first_step_seconds(system, reference, batch, options, loaded)
     if rank == 0:
         Path(args.out).write_text(json.dumps({"seconds": seconds, "loaded": loaded[0]}))
 
@@ -259,16 +294,18 @@ def main() -> None:
     rank, world_size, device = init_distributed()
     torch._inductor.config.force_disable_caches = True  # every compile from scratch (compshard's cache is torch's)
     options = json.loads(args.options) if args.options else None
-    rows, per_pass, raw = [], {}, {}
+    rows, per_pass, per_phase, raw = [], {}, {}, {}
     warm_up(args, args.systems, device, options)
     for layers in args.layers:
         reference, batch = gpt_batch(args, layers, rank, device)
         times: dict[str, list[float]] = {system: [] for system in args.systems}
         passes: list[dict[str, float]] = []
+        phases: dict[str, list[dict[str, float]]] = {system: [] for system in args.systems}
         for repeat in range(args.repeats):
             for system in args.systems:
-                seconds, pass_seconds = first_step_seconds(system, reference, batch, options)
+                seconds, pass_seconds, phase = first_step_seconds(system, reference, batch, options)
                 times[system].append(seconds)
+                phases[system].append(phase)
                 if system == "compshard":
                     passes.append(pass_seconds)
                 progress(f"{layers} layers, {system}, repeat {repeat + 1}/{args.repeats}: {seconds:.2f} s")
@@ -277,6 +314,10 @@ def main() -> None:
         for system in args.systems:
             ratio = medians[system] / medians["aot_eager"] if "aot_eager" in medians else None
             rows.append([layers, system, f"{medians[system]:.2f}", f"{ratio:.2f}" if ratio else ""])
+        per_phase[layers] = {
+            system: {phase: statistics.median(p[phase] for p in phases[system]) for phase in PHASES}
+            for system in args.systems
+        }
         if passes:
             per_pass[layers] = {
                 name: statistics.median(p.get(name, 0.0) for p in passes)
@@ -294,7 +335,13 @@ def main() -> None:
             table.append(["all passes", *(f"{sum(p.values()):.3f}" for p in per_pass.values())])
             print("\ncompshard seconds per pass (summed over its graphs), median")
             print(tabulate(table, headers=["pass", *(f"{layers} layers" for layers in per_pass)]))
-        write_results(Path(args.out), device, vars(args), started, rows, per_pass=per_pass, raw=raw)
+        for layers, by_system in per_phase.items():
+            table = [[phase, *(f"{by_system[system][phase]:.2f}" for system in args.systems)] for phase in PHASES]
+            print(f"\n{layers} layers: where rank 0's first step went, by torch's compile timers, s (median)")
+            print(tabulate(table, headers=["phase", *args.systems]))
+        write_results(
+            Path(args.out), device, vars(args), started, rows, per_pass=per_pass, per_phase=per_phase, raw=raw
+        )
 
 
 if __name__ == "__main__":
