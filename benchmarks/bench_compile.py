@@ -48,6 +48,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -59,20 +60,26 @@ from compshard import backend
 from compshard.models import GPT, GPTConfig
 
 SYSTEMS = ("compshard", "aot_eager", "inductor")
-# Where a first step goes, from torch's compile timers (torch._dynamo.utils.
-# compilation_time_metrics: seconds by timer name). Each phase adds the timers after "+"
-# and takes away those after "-", which run inside the first (torch nests them).
+
+
+class Phase(NamedTuple):
+    """A part of a first step, from torch's compile timers (torch._dynamo.utils.
+    compilation_time_metrics: seconds by timer name): the sum of ``timers`` less the
+    sum of ``less``, timers that torch runs nested inside them."""
+
+    timers: tuple[str, ...]
+    less: tuple[str, ...] = ()
+
+
 PHASES = {
-    "Dynamo: bytecode tracing": ("+bytecode_tracing",),
-    "Dynamo: guards": ("+build_guards",),
-    "AOTAutograd: metadata and joint trace": ("+aot_collect_metadata", "+aot_trace_joint_graph"),
-    "partition and backend, at compile": (
-        "+create_aot_dispatcher_function",
-        "-aot_collect_metadata",
-        "-aot_trace_joint_graph",
+    "Dynamo: bytecode tracing": Phase(("bytecode_tracing",)),
+    "Dynamo: guards": Phase(("build_guards",)),
+    "AOTAutograd: metadata and joint trace": Phase(("aot_collect_metadata", "aot_trace_joint_graph")),
+    "partition and backend, at compile": Phase(
+        ("create_aot_dispatcher_function",), less=("aot_collect_metadata", "aot_trace_joint_graph")
     ),
-    "first backward (backends that compile it there)": ("+backward._backward_impl",),
-    "all of Dynamo's frame compiles": ("+_compile.compile_inner",),
+    "first backward (backends that compile it there)": Phase(("backward._backward_impl",)),
+    "all of Dynamo's frame compiles": Phase(("_compile.compile_inner",)),
 }
 
 
@@ -84,12 +91,10 @@ def timer_totals() -> dict[str, float]:
 def phase_seconds(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
     """Seconds of each of ``PHASES`` between two ``timer_totals``."""
 
-    def timer(name: str) -> float:
-        return after.get(name, 0.0) - before.get(name, 0.0)
+    def total(timers: tuple[str, ...]) -> float:
+        return sum(after.get(name, 0.0) - before.get(name, 0.0) for name in timers)
 
-    return {
-        phase: sum(timer(t[1:]) if t[0] == "+" else -timer(t[1:]) for t in timers) for phase, timers in PHASES.items()
-    }
+    return {name: total(phase.timers) - total(phase.less) for name, phase in PHASES.items()}
 
 
 def first_step_seconds(

@@ -207,7 +207,12 @@ def test_a_graph_run_is_scaled_by_the_load_timed_around_it(monkeypatch):
     readings = iter([10.0, 10.0, 0.1, 0.1])
     monkeypatch.setattr(Measured, "_flops_now", lambda self: next(readings) * self.costs.flops_per_second)
     runs = []
-    monkeypatch.setattr(hardware, "_synchronized_seconds", lambda fn, device: (runs.append(fn()), 1e-3)[1])
+
+    def clock(fn, device):
+        runs.append(fn())
+        return 1e-3
+
+    monkeypatch.setattr(hardware, "_synchronized_seconds", clock)
     graph = torch.fx.symbolic_trace(lambda x: torch.relu(x @ x) @ x)
     example = torch.randn(96, 96)
     for node in graph.graph.nodes:
