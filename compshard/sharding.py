@@ -279,11 +279,59 @@ def _gather_members(unit: nn.Module, members: tuple[eager_gather.MemberModule, .
     The gradient-sync state is read once, from the unit, not once per parameter (each
     extra read of that shared object is a Dynamo guard)."""
     state = _grad_sync(unit)
+    if torch.compiler.is_compiling() and state.step_gathered is None and not state.sinks:
+        reads = _compiled_reads(unit)
+        if reads is not None:
+            return _gather_compiled(unit, reads)
     gathered = {}
     for member in members:
         module = eager_gather.submodule(unit, member.path)
         for name, fqn in member.names:
             gathered[fqn] = _unshard(module, name, state)
+    return gathered
+
+
+# a gather unit's member module: its path from the unit and, per parameter it gathers,
+# (attribute name, canonical name, compshard::unshard's arguments after the shard)
+_MemberReads = tuple[tuple[str, ...], tuple[tuple[str, str, tuple], ...]]
+
+
+def _unit_reads(unit: nn.Module) -> tuple[_MemberReads, ...] | None:
+    """What a compiled call of ``unit`` gathers on entry when no gradient sink is claimed
+    and no step gather holds the parameters, fixed by ``shard``; None when a member is
+    placed by a tensor-parallel plan or offloaded (those take :func:`_unshard`)."""
+    reads = []
+    for member in eager_gather.members_of(unit):
+        module = eager_gather.submodule(unit, member.path)
+        params = []
+        for name, fqn in member.names:
+            read = _read_of(module, name)
+            if read.placed or read.spec.compute_device is not None:
+                return None
+            params.append((name, fqn, read.reduce_args))
+        reads.append((member.path, tuple(params)))
+    return tuple(reads)
+
+
+@constant_lookup
+def _compiled_reads(unit: nn.Module) -> tuple[_MemberReads, ...] | None:
+    """``unit``'s :func:`_unit_reads`, for Dynamo a constant (guarding the unit's identity)."""
+    reads = unit._compshard_compiled_reads
+    assert reads is None or isinstance(reads, tuple)  # _install_gather_units'
+    return reads
+
+
+def _gather_compiled(unit: nn.Module, reads: tuple[_MemberReads, ...]) -> dict[str, torch.Tensor]:
+    """:func:`_gather_members` while compiling, from ``reads``: what :func:`_unshard` does
+    for these parameters in the fewest traced instructions (each costs Dynamo time, per
+    parameter of the model)."""
+    gathered = {}
+    for path, params in reads:
+        module = eager_gather.submodule(unit, path)
+        for name, fqn, args in params:
+            param = module._parameters[name]
+            assert param is not None  # shard registered it
+            gathered[fqn] = torch.ops.compshard.unshard(_local_rows(param), *args)
     return gathered
 
 
@@ -684,6 +732,7 @@ def _install_gather_units(root: nn.Module, patterns: Sequence[str]) -> None:
         if all(module is unit for module, _ in members.values()) and not eager_gather.needs_call_scope(unit):
             continue  # a block that is one torch.nn layer: it reads each parameter once anyway
         eager_gather.install_call_scope(unit, list(members.values()), _gather_members)
+        unit._compshard_compiled_reads = _unit_reads(unit)  # type: ignore[assignment]  # any value; stubs: Tensor | Module
 
 
 _BROADCAST_BUCKET_BYTES = 256 * 2**20

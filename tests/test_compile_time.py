@@ -13,6 +13,9 @@ are the ones it replaced.
 - Compiled graphs take the parameters' local tensors, never DTensors (tracing those as
   tensor subclasses was a large part of compile time); a parameter frozen at ``shard``
   and unfrozen later gets gradients.
+- A gather unit's compiled gathers (``sharding._gather_compiled``, fewer traced
+  instructions per parameter) trace the very graph that the general per-parameter path
+  (``sharding._unshard``) traces.
 - Dynamo's guards on a sharded GPT's forward reach no spec, layout or gather-unit member
   list (``shard`` fixes them: Dynamo takes them as constants), and the model's
   gradient-sync state through one attribute per gather unit or module outside units,
@@ -30,7 +33,7 @@ import importlib
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from torch import fx, nn
 from torch.utils.checkpoint import checkpoint
 
 import compshard
@@ -146,9 +149,41 @@ def _guard_sources(rank: int) -> list[str]:
     return [guard.name for guard in explained.out_guards]
 
 
+def _traced_forward(rank: int, fast: bool) -> dict:
+    """The Dynamo graph of a sharded GPT's forward, node by node, with gather units taking
+    their compiled fast path (``fast``) or the general per-parameter one; and how many
+    units had a fast path to take."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = compshard.shard(GPT(GPT_CONFIG))
+    units = [m for m in model.modules() if getattr(m, "_compshard_compiled_reads", None) is not None]
+    if not fast:
+        for unit in units:
+            unit._compshard_compiled_reads = None
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch.compile(model, backend=capture)(*_batch(16, rank))
+    nodes = [n for gm in graphs for n in gm.graph.nodes]
+    position = {n: i for i, n in enumerate(nodes)}  # node names follow the traced code's variables
+
+    def described(n: fx.Node) -> tuple:
+        return n.op, str(n.target), str(fx.map_arg((n.args, n.kwargs), position.__getitem__))
+
+    return {
+        "nodes": [described(n) for n in nodes],
+        "gathered": {n.args[4] for n in nodes if n.target is torch.ops.compshard.unshard},
+        "units": len(units),
+    }
+
+
 def _worker(rank: int, world_size: int) -> dict:
     lengths = [_batch(length, rank) for length in LENGTHS]
     return {
+        "fast_gathers": [_traced_forward(rank, fast) for fast in (True, False)],
         "guard_sources": _guard_sources(rank),
         "plain_inputs": _plain_inputs_and_unfreezing(rank),
         "default": _compiles(None, lengths),
@@ -182,12 +217,25 @@ def test_compiled_graphs_take_local_tensors_and_unfrozen_parameters_train(result
 def test_guards_skip_what_shard_fixed(results):
     for rank_results in results:
         sources = rank_results["guard_sources"]
-        fixed_by_shard = ("_compshard_specs", "_compshard_members", "_compshard_tensor_parallel")
+        fixed_by_shard = (
+            "_compshard_specs",
+            "_compshard_members",
+            "_compshard_compiled_reads",
+            "_compshard_tensor_parallel",
+        )
         fixed = [s for s in sources if any(attribute in s for attribute in fixed_by_shard)]
         assert not fixed, fixed[:5]
         grad_sync = {s for s in sources if s.endswith("._compshard_grad_sync")}
         # one per block (a gather unit) and per sharded module outside the blocks (wte, wpe, ln_f, lm_head)
         assert len(grad_sync) <= GPT_CONFIG.n_layer + 4, sorted(grad_sync)
+
+
+def test_compiled_gather_units_trace_what_the_per_parameter_path_traces(results):
+    for rank_results in results:
+        fast, general = rank_results["fast_gathers"]
+        assert fast["units"] == GPT_CONFIG.n_layer  # every block took the fast path
+        assert fast["gathered"] == {name for name, _ in GPT(GPT_CONFIG).named_parameters()}
+        assert fast["nodes"] == general["nodes"]
 
 
 def test_coalescing_prices_equal_lowered_copies(results):
