@@ -170,7 +170,10 @@ _seconds_cache: dict[tuple, float] = {}
 
 def _describe(value) -> object:
     """What an op's estimate depends on in one argument: a tensor's shape, strides and
-    dtype (a symbolic size by its expression and hint: neither installs a guard)."""
+    dtype (a symbolic size by its expression and hint: neither installs a guard); for a
+    graph node, its value's (``meta["val"]``)."""
+    if isinstance(value, fx.Node):
+        value = value.meta.get("val")
     if isinstance(value, torch.Tensor):
         shape, stride = tuple(value.shape), tuple(value.stride())
         if all(type(n) is int for n in shape + stride):
@@ -178,15 +181,16 @@ def _describe(value) -> object:
         return tuple((str(n), size_hint(n)) for n in shape), tuple(map(str, stride)), value.dtype, value.device.type
     if isinstance(value, (list, tuple)):
         return tuple(_describe(v) for v in value)
+    if isinstance(value, dict):
+        return tuple((key, _describe(v)) for key, v in value.items())
     return repr(value)
 
 
 def signature(node: fx.Node) -> tuple | None:
     """What an op node's cost depends on: the op, its arguments' shapes, strides, dtypes
     and constants, and its output's (None: an argument that cannot be a key)."""
-    args, kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta.get("val"), (node.args, node.kwargs))
     try:
-        key = (node.target, _describe(args), _describe(kwargs), _describe(node.meta.get("val")))
+        key = (node.target, _describe(node.args), _describe(node.kwargs), _describe(node.meta.get("val")))
         hash(key)
     except TypeError:
         return None

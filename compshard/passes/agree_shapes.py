@@ -55,8 +55,14 @@ Shapes = list[tuple[int, ...]] | None  # one node's tensors' shapes (None: it ha
 
 def _shapes(val: Any) -> Shapes:
     """Shapes (size hints) of the tensors in ``val``, flattened; None if it holds none."""
-    tensors = [t for t in torch.utils._pytree.tree_leaves(val) if isinstance(t, torch.Tensor)]
-    return [tuple(size_hint(s) for s in t.shape) for t in tensors] if tensors else None
+    leaves = [val] if isinstance(val, torch.Tensor) else torch.utils._pytree.tree_leaves(val)
+    tensors = [t for t in leaves if isinstance(t, torch.Tensor)]
+    return [_shape(t) for t in tensors] if tensors else None
+
+
+def _shape(tensor: torch.Tensor) -> tuple[int, ...]:
+    shape = tuple(tensor.shape)
+    return shape if all(type(n) is int for n in shape) else tuple(size_hint(n) for n in shape)
 
 
 def _group(graph: fx.Graph) -> str:

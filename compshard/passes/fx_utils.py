@@ -237,8 +237,7 @@ class FakeValues:
 
     def get(self, target: Any, args: tuple, kwargs: dict, trace: Callable[[], Any]) -> Any:
         """The shared result of ``target`` on arguments like these; ``trace()`` makes it."""
-        leaves, spec = torch.utils._pytree.tree_flatten((args, kwargs))
-        key = (target, str(spec), *(_value_key(leaf) if isinstance(leaf, fx.Node) else leaf for leaf in leaves))
+        key = (target, fx.map_arg((args, kwargs), _value_key))
         if key not in self._values:
             self._values[key] = trace()
         return self._values[key]
@@ -247,7 +246,8 @@ class FakeValues:
 def _value_key(node: fx.Node) -> tuple:
     """The metadata an op's fake result depends on: shape, strides, offset, dtype, device
     (symbolic sizes by their expressions: hashing or comparing a SymInt would guard)."""
-    leaves, spec = torch.utils._pytree.tree_flatten(node.meta["val"])
+    val = node.meta["val"]
+    leaves, spec = ([val], None) if isinstance(val, torch.Tensor) else torch.utils._pytree.tree_flatten(val)
     return (
         str(spec),
         *(
@@ -273,7 +273,7 @@ def emit(
     node = graph.call_function(target, args, kwargs)
 
     def trace() -> Any:
-        fake_args, fake_kwargs = torch.utils._pytree.tree_map_only(fx.Node, lambda n: n.meta["val"], (args, kwargs))
+        fake_args, fake_kwargs = fx.map_arg((args, kwargs), lambda n: n.meta["val"])
         with fake_mode_of(graph):
             return target(*fake_args, **fake_kwargs)
 
