@@ -69,7 +69,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from compshard.comm.ops import UnshardArgs
+from compshard.comm.ops import ReduceGradArgs, UnshardArgs
 from compshard.torch_compat import constant_lookup
 
 __all__ = ["EagerReductions", "accumulate_grad", "gather", "install_call_scope", "needs_call_scope", "recomputing"]
@@ -84,7 +84,7 @@ class _Reduction:
     uses of its one ``unshard``, and reduced once, when the walk has passed every one."""
 
     param: nn.Parameter
-    reduce_args: tuple  # compshard::reduce_grad's arguments after the gradient
+    reduce_args: ReduceGradArgs  # compshard::reduce_grad's arguments, the gradient None
     gathered_dtype: torch.dtype  # a skipped gather's zero gradient is made in it, on ``device``
     device: torch.device
     sink: torch.Tensor | None = None  # "fold": the gradient accumulated under no_sync, added before reducing
@@ -95,7 +95,7 @@ class _Reduction:
 
     @property
     def fqn(self) -> str:
-        return self.reduce_args[3]
+        return self.reduce_args.param
 
 
 @dataclass(eq=False)
@@ -132,7 +132,7 @@ class EagerReductions:
     def push(
         self,
         param: nn.Parameter,
-        reduce_args: tuple,
+        reduce_args: ReduceGradArgs,
         gathered_dtype: torch.dtype,
         device: torch.device,
         call: list[_Pending],
@@ -238,12 +238,13 @@ class EagerReductions:
     def _reduce(reduction: _Reduction) -> None:
         grad = reduction.total
         if grad is None:  # skipped: its contribution to the sum over ranks is zero
-            grad = torch.zeros(reduction.reduce_args[0], dtype=reduction.gathered_dtype, device=reduction.device)
+            shape = reduction.reduce_args.full_shape
+            grad = torch.zeros(shape, dtype=reduction.gathered_dtype, device=reduction.device)
         if reduction.sink is not None:  # as the compiled "fold" backward adds it
             grad = grad.to(reduction.sink.dtype) + reduction.sink
         reduction.total = reduction.sink = None
         reduction.done = True
-        accumulate_grad(reduction.param, torch.ops.compshard.reduce_grad(grad, *reduction.reduce_args))
+        accumulate_grad(reduction.param, reduction.reduce_args._replace(grad=grad).call())
 
 
 def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
@@ -266,7 +267,7 @@ class _DeferredGather(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.reductions, ctx.item = reductions, item
         item.node = weakref.ref(ctx)
-        return torch.ops.compshard.unshard(*args._replace(shard=shard))
+        return args._replace(shard=shard).call()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
@@ -275,21 +276,25 @@ class _DeferredGather(torch.autograd.Function):
 
 
 def gather(
-    param: nn.Parameter, shard: torch.Tensor, unshard_args: tuple, reductions: EagerReductions, communicates: bool
+    param: nn.Parameter,
+    shard: torch.Tensor,
+    unshard_args: tuple[str, torch.Tensor | None],
+    reductions: EagerReductions,
+    communicates: bool,
 ) -> torch.Tensor:
     """Uncompiled ``compshard::unshard`` of ``shard`` (``param``'s local rows).
 
-    ``unshard_args``: the op's arguments after the shard. When the gradient is reduced
+    ``unshard_args``: the op's arguments after the shard (its spec and gradient sink). When the gradient is reduced
     by a collective (``communicates`` and sync mode ``reduce`` or ``fold``) and autograd
     records, the reduction is deferred to the end of backward; otherwise the op runs as is.
     """
-    args = UnshardArgs(shard, *unshard_args)
+    args = UnshardArgs.of(shard, *unshard_args)
     if args.grad_sync == "accumulate":
         # The gradient goes to the sink, none to the shard: detached, no backward reaches
         # the parameter (torch 2.11's to_local would hand it zeros for that None).
         args = args._replace(shard=shard.detach())
     if not (communicates and args.grad_sync != "accumulate" and torch.is_grad_enabled() and param.requires_grad):
-        return torch.ops.compshard.unshard(*args)
+        return args.call()
     gathered_dtype = args.param_dtype if args.param_dtype is not None else shard.dtype
     call = reductions.open_call if reductions.open_call is not None else []
     sink = None
@@ -298,7 +303,8 @@ def gather(
         args = args._replace(grad_sync="reduce", grad_sink=None)
     item = reductions.push(
         param,
-        (
+        ReduceGradArgs(
+            None,
             args.full_shape,
             args.world_size,
             args.group_name,

@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from compshard.comm.ops import (
+    ReduceGradArgs,
     ShardLayout,
     averaging_ranks,
     exchanged_rows,
@@ -228,9 +229,9 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
     first = bucket[0]
     spec, world_size, shard_dtype = first.spec, first.spec.world_size, first.param.dtype
     if not spec.full_shape:
-        reduced = torch.ops.compshard.reduce_grad(
+        reduced = ReduceGradArgs(
             first.grad, [], world_size, spec.group_name, spec.fqn, None, shard_dtype, spec.replicate_group
-        )
+        ).call()
         return [reduced / divide_by if divide_by != 1 else reduced]
     rank = group_rank(spec.group_name)
     layouts = [ShardLayout(item.spec.full_shape, world_size, rank) for item in bucket]

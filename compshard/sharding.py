@@ -109,26 +109,24 @@ class ParamSpec:
     replicate_group: str  # the group gradients are all-reduced across after reduce-scatter; "" when none
     compute_device: torch.device | None  # offload: where the shard is copied to before gathering
 
-    # compshard::unshard's arguments after the shard and before the gradient sync ones
-    # (see compshard.comm.ops.UnshardArgs), derived from the fields above. A stored field, not a
-    # property: Dynamo would trace a property's code at every parameter read.
-    unshard_args: tuple = field(init=False, repr=False, compare=False)
+    # compshard::unshard's spec argument per gradient sync mode (see compshard.comm.ops'
+    # [Note: one spec argument]), derived from the fields above. A stored field, not a
+    # method: Dynamo would trace a method's code at every parameter read.
+    unshard_specs: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(
-            self,
-            "unshard_args",
-            (
-                list(self.full_shape),
-                self.world_size,
-                self.group_name,
-                self.fqn,
-                self.param_dtype,
-                self.reduce_dtype,
-                self.reshard_after_forward,
-                self.replicate_group,
-            ),
+        fields = (
+            list(self.full_shape),
+            self.world_size,
+            self.group_name,
+            self.fqn,
+            self.param_dtype,
+            self.reduce_dtype,
+            self.reshard_after_forward,
+            self.replicate_group,
         )
+        specs = {mode: ops.UnshardArgs(None, *fields, mode, None).spec() for mode in ops.GRAD_SYNC_MODES}
+        object.__setattr__(self, "unshard_specs", specs)
 
     def layout(self, rank: int) -> ops.ShardLayout:
         return ops.ShardLayout(self.full_shape, self.world_size, rank)
@@ -209,7 +207,7 @@ class _Read:
 
     spec: ParamSpec
     placed: bool
-    reduce_args: tuple
+    reduce_args: tuple[str, None]
 
 
 @constant_lookup
@@ -219,7 +217,7 @@ def _read_of(module: nn.Module, name: str) -> _Read:
     made compiling slow and added nothing (not with torch 2.11: see ``constant_lookup``)."""
     layouts = getattr(module, "_compshard_tensor_parallel", None)
     spec = _specs(module)[name]
-    return _Read(spec, layouts is not None and name in layouts, (*spec.unshard_args, "reduce", None))
+    return _Read(spec, layouts is not None and name in layouts, (spec.unshard_specs["reduce"], None))
 
 
 def _specs(module: nn.Module) -> dict[str, ParamSpec]:
@@ -256,7 +254,11 @@ def _unshard(module: nn.Module, name: str, state: GradSync) -> torch.Tensor:
         if spec.compute_device is not None:
             shard = shard.to(spec.compute_device, non_blocking=True)
         # with no gradient sink (no_sync never used), every read claims ("reduce", None)
-        args = (*spec.unshard_args, *state.claim(spec.fqn)) if state.sinks else read.reduce_args
+        if state.sinks:
+            grad_sync, grad_sink = state.claim(spec.fqn)
+            args = (spec.unshard_specs[grad_sync], grad_sink)
+        else:
+            args = read.reduce_args
         if torch.compiler.is_compiling():
             full = torch.ops.compshard.unshard(shard, *args)
         else:

@@ -40,6 +40,7 @@ import compshard
 from compshard import backend
 from compshard.models import GPT, GPTConfig
 from compshard.passes import PIPELINES
+from compshard.passes.fx_utils import unshard_args
 from tests.distributed import run_distributed
 
 WORLD_SIZE = 2
@@ -175,7 +176,7 @@ def _traced_forward(rank: int, fast: bool) -> dict:
 
     return {
         "nodes": [described(n) for n in nodes],
-        "gathered": {n.args[4] for n in nodes if n.target is torch.ops.compshard.unshard},
+        "gathered": {unshard_args(n).param for n in nodes if n.target is torch.ops.compshard.unshard},
         "units": len(units),
     }
 

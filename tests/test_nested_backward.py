@@ -24,6 +24,7 @@ from torch import nn
 
 import compshard
 from compshard import eager_gather
+from compshard.comm.ops import UnshardArgs
 from tests.distributed import run_distributed
 from tests.real_models import BATCH, ZOO, RealModel, _generator
 from tests.test_real_models import (
@@ -86,7 +87,7 @@ def _gathered_in_backward(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> 
 
     def recording(param, shard, unshard_args, *args):
         if torch._C._current_graph_task_id() != -1:
-            names.add(unshard_args[3])  # the parameter's name
+            names.add(UnshardArgs.of(shard, *unshard_args).param)
         return gather(param, shard, unshard_args, *args)
 
     with mock.patch.object(eager_gather, "gather", recording):

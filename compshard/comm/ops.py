@@ -37,7 +37,9 @@
 
 Eagerly the ops communicate for real (so an uncompiled or graph-broken module trains
 correctly, one blocking collective per parameter and module call); in a compiled graph they are markers that
-the lowering passes replace by asynchronous functional collectives. Parameters are
+the lowering passes replace by asynchronous functional collectives. Besides tensors,
+``unshard`` and ``reduce_grad`` take one ``spec`` string (see [Note: one spec
+argument]; :class:`UnshardArgs` and :class:`ReduceGradArgs` read it). Parameters are
 identified by name (``param``), so every rank sees the same op arguments;
 ``reshard_after_forward`` tells the partitioning passes whether the gathered tensor may
 be saved for backward (it does not change what the op computes).
@@ -51,6 +53,8 @@ along dim 0, i.e. DTensor ``Shard(0)``. 0-d parameters are replicated instead.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -324,10 +328,85 @@ def all_gather_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> t
     )
 
 
+# [Note: one spec argument]
+# ``unshard`` and ``reduce_grad`` take their facts other than tensors (shape, group,
+# name, dtypes, modes) as ONE string, ``spec``: a JSON object of the fields by name
+# (:meth:`UnshardArgs.spec`, :meth:`ReduceGradArgs.spec`), not one argument each. Dynamo
+# traces a call of each per parameter of the model, and AOTAutograd traces each again
+# (metadata, joint graph, the backward's ``reduce_grad``): every argument costs at every
+# step of that, and a string is the cheapest argument there is. The string is the same
+# on every rank for a parameter, readable in a printed graph, and decoded once per
+# distinct string (cached). Passes and callers read the fields through the named
+# tuples below, never the string.
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _dtype_named(name: str) -> torch.dtype:
+    dtype = getattr(torch, name, None) if isinstance(name, str) else None
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"not a dtype name: {name!r}")
+    return dtype
+
+
+def _encoded(args: NamedTuple, fields: tuple[str, ...]) -> str:
+    values = (getattr(args, name) for name in fields)
+    return _encoded_values(fields, tuple(tuple(value) if isinstance(value, list) else value for value in values))
+
+
+@functools.cache
+def _encoded_values(fields: tuple[str, ...], values: tuple[Any, ...]) -> str:
+    jsonable = [_dtype_name(value) if isinstance(value, torch.dtype) else value for value in values]
+    return json.dumps(dict(zip(fields, jsonable)), separators=(",", ":"))
+
+
+_OPTIONAL_DTYPES = frozenset({"param_dtype", "reduce_dtype"})
+
+
+@functools.cache
+def _decoded(op: str, fields: tuple[str, ...], spec: str) -> tuple[Any, ...]:
+    """The values of ``fields`` in ``spec`` (see [Note: one spec argument]); ValueError
+    naming ``op`` when it is not such a spec. ``full_shape`` comes back a tuple (cached
+    values are shared)."""
+    try:
+        record = json.loads(spec)
+        if not isinstance(record, dict) or tuple(record) != fields:
+            raise ValueError(f"expected an object of the fields {list(fields)}")
+        values = []
+        for name in fields:
+            value = record[name]
+            if name == "full_shape":
+                if not (isinstance(value, list) and all(type(size) is int and size >= 0 for size in value)):
+                    raise ValueError(f"full_shape {value!r} is not a list of sizes")
+                value = tuple(value)
+            elif name.endswith("_dtype"):
+                value = None if value is None and name in _OPTIONAL_DTYPES else _dtype_named(value)
+            elif name == "grad_sync" and value not in GRAD_SYNC_MODES:
+                raise ValueError(f"grad_sync={value!r}; allowed: {list(GRAD_SYNC_MODES)}")
+            elif type(value) is not _SPEC_TYPES[name]:
+                raise ValueError(f"{name}={value!r}: expected {_SPEC_TYPES[name].__name__}")
+            values.append(value)
+        return tuple(values)
+    except ValueError as error:  # json.JSONDecodeError included
+        raise ValueError(f"compshard::{op}: spec {spec!r} is not one compshard wrote: {error}") from None
+
+
+_SPEC_TYPES: dict[str, type] = {
+    "world_size": int,
+    "group_name": str,
+    "param": str,
+    "reshard_after_forward": bool,
+    "replicate_group": str,
+    "grad_sync": str,
+}
+
+
 class UnshardArgs(NamedTuple):
-    """``compshard::unshard``'s arguments by name (passes read them with
-    ``compshard.passes.fx_utils.unshard_args``). ``shard`` and ``grad_sink`` are tensors
-    where the op runs and the nodes computing them in a graph."""
+    """``compshard::unshard``'s arguments by name, its ``spec`` decoded (passes read them
+    with ``compshard.passes.fx_utils.unshard_args``). ``shard`` and ``grad_sink`` are
+    tensors where the op runs and the nodes computing them in a graph."""
 
     shard: Any
     full_shape: list[int]
@@ -341,10 +420,24 @@ class UnshardArgs(NamedTuple):
     grad_sync: str
     grad_sink: Any
 
+    @classmethod
+    def of(cls, shard: Any, spec: str, grad_sink: Any) -> UnshardArgs:
+        """The arguments of ``unshard(shard, spec, grad_sink)``."""
+        full_shape, *rest = _decoded("unshard", _UNSHARD_SPEC, spec)
+        return cls._make((shard, list(full_shape), *rest, grad_sink))
+
+    def spec(self) -> str:
+        """The op's ``spec`` argument for these fields."""
+        return _encoded(self, _UNSHARD_SPEC)
+
+    def call(self) -> torch.Tensor:
+        """``compshard::unshard`` with these arguments."""
+        return torch.ops.compshard.unshard(self.shard, self.spec(), self.grad_sink)
+
 
 class ReduceGradArgs(NamedTuple):
-    """``compshard::reduce_grad``'s arguments by name (``grad``: a tensor, or in a graph
-    the node computing it)."""
+    """``compshard::reduce_grad``'s arguments by name, its ``spec`` decoded (``grad``: a
+    tensor, or in a graph the node computing it)."""
 
     grad: Any
     full_shape: list[int]
@@ -354,6 +447,24 @@ class ReduceGradArgs(NamedTuple):
     reduce_dtype: torch.dtype | None
     shard_dtype: torch.dtype
     replicate_group: str
+
+    @classmethod
+    def of(cls, grad: Any, spec: str) -> ReduceGradArgs:
+        """The arguments of ``reduce_grad(grad, spec)``."""
+        full_shape, *rest = _decoded("reduce_grad", _REDUCE_GRAD_SPEC, spec)
+        return cls._make((grad, list(full_shape), *rest))
+
+    def spec(self) -> str:
+        """The op's ``spec`` argument for these fields."""
+        return _encoded(self, _REDUCE_GRAD_SPEC)
+
+    def call(self) -> torch.Tensor:
+        """``compshard::reduce_grad`` with these arguments."""
+        return torch.ops.compshard.reduce_grad(self.grad, self.spec())
+
+
+_UNSHARD_SPEC = UnshardArgs._fields[1:-1]
+_REDUCE_GRAD_SPEC = ReduceGradArgs._fields[1:]
 
 
 def _padded(flat: torch.Tensor, numel: int) -> torch.Tensor:
@@ -369,61 +480,50 @@ def _shard_layout(full_shape: list[int], world_size: int, group_name: str) -> Sh
 
 
 @torch.library.custom_op("compshard::unshard", mutates_args=())
-def unshard(
-    shard: torch.Tensor,
-    full_shape: list[int],
-    world_size: int,
-    group_name: str,
-    param: str,
-    param_dtype: torch.dtype | None,
-    reduce_dtype: torch.dtype | None,
-    reshard_after_forward: bool,
-    replicate_group: str,
-    grad_sync: str,
-    grad_sink: torch.Tensor | None,
-) -> torch.Tensor:
-    layout = _shard_layout(full_shape, world_size, group_name)
-    flat = shard.reshape(-1).to(param_dtype or shard.dtype)
-    if layout.replicated or world_size == 1:
-        return flat.clone().view(full_shape)
-    buffer = flat.new_empty(world_size * layout.padded_shard_numel)
-    buffer.view(world_size, -1)[layout.rank].copy_(_padded(flat, layout.padded_shard_numel))
-    return all_gather_rows(buffer, world_size, group_name)[: layout.numel].view(full_shape).clone()
+def unshard(shard: torch.Tensor, spec: str, grad_sink: torch.Tensor | None) -> torch.Tensor:
+    args = UnshardArgs.of(shard, spec, grad_sink)
+    layout = _shard_layout(args.full_shape, args.world_size, args.group_name)
+    flat = shard.reshape(-1).to(args.param_dtype or shard.dtype)
+    if layout.replicated or args.world_size == 1:
+        return flat.clone().view(args.full_shape)
+    buffer = flat.new_empty(args.world_size * layout.padded_shard_numel)
+    buffer.view(args.world_size, -1)[layout.rank].copy_(_padded(flat, layout.padded_shard_numel))
+    gathered = all_gather_rows(buffer, args.world_size, args.group_name)
+    return gathered[: layout.numel].view(args.full_shape).clone()
 
 
 @unshard.register_fake
-def _(shard, full_shape, world_size, group_name, param, param_dtype, *_):
-    return shard.new_empty(full_shape, dtype=param_dtype or shard.dtype)
+def _(shard, spec, grad_sink):
+    args = UnshardArgs.of(shard, spec, grad_sink)
+    return shard.new_empty(args.full_shape, dtype=args.param_dtype or shard.dtype)
+
+
+@functools.cache
+def _reduce_spec(unshard_spec: str, shard_dtype: torch.dtype) -> str:
+    """``reduce_grad``'s spec for the gradient of ``unshard(shard, unshard_spec, ...)``."""
+    args = UnshardArgs.of(None, unshard_spec, None)
+    fields = (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype)
+    return ReduceGradArgs(None, *fields, shard_dtype, args.replicate_group).spec()
 
 
 def _unshard_setup_context(ctx, inputs, output):
-    args = UnshardArgs(*inputs)
-    if args.grad_sync not in GRAD_SYNC_MODES:
-        raise ValueError(f"compshard::unshard: grad_sync={args.grad_sync!r}; allowed: {list(GRAD_SYNC_MODES)}")
+    shard, spec, grad_sink = inputs
+    args = UnshardArgs.of(shard, spec, grad_sink)
     ctx.grad_sync = args.grad_sync
-    ctx.reduce_args = (
-        args.full_shape,
-        args.world_size,
-        args.group_name,
-        args.param,
-        args.reduce_dtype,
-        args.shard.dtype,
-        args.replicate_group,
-    )
+    ctx.reduce_spec = _reduce_spec(spec, shard.dtype)
     if args.grad_sync == "accumulate":
-        ctx.sink_dtype = args.grad_sink.dtype
+        ctx.sink_dtype = grad_sink.dtype
     elif args.grad_sync == "fold":
-        ctx.save_for_backward(args.grad_sink)
+        ctx.save_for_backward(grad_sink)
 
 
 def _unshard_backward(ctx, grad):
-    none = (None,) * (len(UnshardArgs._fields) - 2)
     if ctx.grad_sync == "accumulate":  # autograd adds it to grad_sink.grad; nothing is communicated
-        return (None, *none, grad.to(ctx.sink_dtype))
+        return None, None, grad.to(ctx.sink_dtype)
     if ctx.grad_sync == "fold":
         (accumulated,) = ctx.saved_tensors
         grad = grad.to(accumulated.dtype) + accumulated
-    return (torch.ops.compshard.reduce_grad(grad, *ctx.reduce_args), *none, None)
+    return torch.ops.compshard.reduce_grad(grad, ctx.reduce_spec), None, None
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)
@@ -433,23 +533,15 @@ unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_contex
 
 
 @torch.library.custom_op("compshard::reduce_grad", mutates_args=())
-def reduce_grad(
-    grad: torch.Tensor,
-    full_shape: list[int],
-    world_size: int,
-    group_name: str,
-    param: str,
-    reduce_dtype: torch.dtype | None,
-    shard_dtype: torch.dtype,
-    replicate_group: str,
-) -> torch.Tensor:
-    layout = _shard_layout(full_shape, world_size, group_name)
-    ranks = averaging_ranks(world_size, replicate_group)
-    flat = grad.reshape(-1).to(reduce_dtype or grad.dtype)
+def reduce_grad(grad: torch.Tensor, spec: str) -> torch.Tensor:
+    args = ReduceGradArgs.of(grad, spec)
+    layout = _shard_layout(args.full_shape, args.world_size, args.group_name)
+    ranks = averaging_ranks(args.world_size, args.replicate_group)
+    flat = grad.reshape(-1).to(args.reduce_dtype or grad.dtype)
     if ranks == 1:
-        return flat.to(shard_dtype).view(layout.local_shape).clone()
-    flat = sum_over_ranks(flat / ranks, layout, group_name, replicate_group)
-    return flat.to(shard_dtype).view(layout.local_shape)
+        return flat.to(args.shard_dtype).view(layout.local_shape).clone()
+    flat = sum_over_ranks(flat / ranks, layout, args.group_name, args.replicate_group)
+    return flat.to(args.shard_dtype).view(layout.local_shape)
 
 
 def averaging_ranks(world_size: int, replicate_group: str) -> int:
@@ -522,8 +614,10 @@ def sum_rows_into_shards(
 
 
 @reduce_grad.register_fake
-def _(grad, full_shape, world_size, group_name, param, reduce_dtype, shard_dtype, replicate_group):
-    return grad.new_empty(_shard_layout(full_shape, world_size, group_name).local_shape, dtype=shard_dtype)
+def _(grad, spec):
+    args = ReduceGradArgs.of(grad, spec)
+    layout = _shard_layout(args.full_shape, args.world_size, args.group_name)
+    return grad.new_empty(layout.local_shape, dtype=args.shard_dtype)
 
 
 # ------------------------------------------------------------------------------- free

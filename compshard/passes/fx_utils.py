@@ -100,8 +100,8 @@ def op_arg(node: fx.Node, name: str) -> Any:
 
 
 def unshard_args(node: fx.Node) -> UnshardArgs:
-    """A ``compshard::unshard`` node's arguments by name."""
-    return UnshardArgs(*_schema_typed(node.args), **_schema_typed(node.kwargs))
+    """A ``compshard::unshard`` node's arguments by name, its spec decoded."""
+    return UnshardArgs.of(*_by_schema(node, ("shard", "spec", "grad_sink")))
 
 
 def unshard_group(graph: fx.Graph) -> str:
@@ -118,14 +118,15 @@ def unshard_group(graph: fx.Graph) -> str:
 
 
 def reduce_grad_args(node: fx.Node) -> ReduceGradArgs:
-    """A ``compshard::reduce_grad`` node's arguments by name."""
-    return ReduceGradArgs(*_schema_typed(node.args), **_schema_typed(node.kwargs))
+    """A ``compshard::reduce_grad`` node's arguments by name, its spec decoded."""
+    return ReduceGradArgs.of(*_by_schema(node, ("grad", "spec")))
 
 
-def _schema_typed(arguments: tuple | dict) -> Any:
-    """A node's arguments (FX types them as any argument at all) as the op's schema types
-    them: the op was traced with arguments its schema accepts."""
-    return arguments
+def _by_schema(node: fx.Node, names: tuple[str, ...]) -> list[Any]:
+    """The arguments ``names`` (the op's schema, in order) of ``node``, positional or by
+    keyword; a Dynamo graph calls the op's packet, whose schema ``op_arg`` cannot read."""
+    given = dict(zip(names, node.args)) | dict(node.kwargs)
+    return [given.get(name) for name in names]
 
 
 def output_values(graph: fx.Graph) -> Any:
@@ -430,7 +431,8 @@ def members_by_bucket(markers: list[fx.Node], buckets: BucketPlan) -> list[tuple
     marker in ``markers``."""
     groups: dict[int, tuple[Bucket, list[fx.Node]]] = {}
     for node in markers:
-        bucket = buckets.bucket_of(op_arg(node, "param"))
+        param = unshard_args(node).param if is_op(node, compshard_ops.unshard.default) else reduce_grad_args(node).param
+        bucket = buckets.bucket_of(param)
         groups.setdefault(bucket.index, (bucket, []))[1].append(node)
     return list(groups.values())
 

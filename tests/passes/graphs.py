@@ -29,6 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import compshard
 from compshard import backend, cost_model
+from compshard.comm.ops import ReduceGradArgs, UnshardArgs
 from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan, node_meta
 from compshard.options import CompileOptions
 from compshard.passes import PIPELINES, PassContext, run_passes
@@ -199,16 +200,12 @@ def unshard(
     group_name: str = "",
 ) -> torch.Tensor:
     """``compshard::unshard`` of ``shard`` as ``shard()`` reads a float32 parameter."""
-    return torch.ops.compshard.unshard(
-        shard, full_shape, world_size, group_name, param, None, None, True, "", "reduce", None
-    )
+    return UnshardArgs(shard, full_shape, world_size, group_name, param, None, None, True, "", "reduce", None).call()
 
 
 def reduce_grad(grad: torch.Tensor, param: str, world_size: int, group_name: str = "") -> torch.Tensor:
     """``compshard::reduce_grad`` of the full gradient ``grad`` of a float32 parameter."""
-    return torch.ops.compshard.reduce_grad(
-        grad, list(grad.shape), world_size, group_name, param, None, torch.float32, ""
-    )
+    return ReduceGradArgs(grad, list(grad.shape), world_size, group_name, param, None, torch.float32, "").call()
 
 
 # ------------------------------------------------------------------- reading graphs

@@ -7,6 +7,7 @@ import operator
 import torch
 from torch import fx
 
+from compshard.comm.ops import UnshardArgs
 from compshard.options import CompileOptions
 from compshard.passes import PassContext
 from compshard.passes.dedupe_unshard import dedupe_unshard
@@ -17,10 +18,8 @@ CTX = PassContext(CompileOptions(), "dynamo")
 
 def _unshard(graph: fx.Graph, shard: fx.Node, param: str, reshard_after_forward: bool = True) -> fx.Node:
     """An ``unshard`` call as Dynamo records it (the op packet, positional arguments)."""
-    return graph.call_function(
-        torch.ops.compshard.unshard,
-        (shard, [4, 2], 2, "0", param, None, None, reshard_after_forward, "", "reduce", None),
-    )
+    spec = UnshardArgs(None, [4, 2], 2, "0", param, None, None, reshard_after_forward, "", "reduce", None).spec()
+    return graph.call_function(torch.ops.compshard.unshard, (shard, spec, None))
 
 
 def test_a_second_read_of_a_parameter_reads_the_first_unshard():
