@@ -284,9 +284,10 @@ def gather(
 ) -> torch.Tensor:
     """Uncompiled ``compshard::unshard`` of ``shard`` (``param``'s local rows).
 
-    ``unshard_args``: the op's arguments after the shard (its spec and gradient sink). When the gradient is reduced
-    by a collective (``communicates`` and sync mode ``reduce`` or ``fold``) and autograd
-    records, the reduction is deferred to the end of backward; otherwise the op runs as is.
+    ``unshard_args``: the op's arguments after the shard (its spec and gradient sink).
+    When the gradient is reduced by a collective (``communicates`` and sync mode
+    ``reduce`` or ``fold``) and autograd records, the reduction is deferred to the end of
+    backward; otherwise the op runs as is.
     """
     args = UnshardArgs.of(shard, *unshard_args)
     if args.grad_sync == "accumulate":
