@@ -304,16 +304,7 @@ def gather(
         args = args._replace(grad_sync="reduce", grad_sink=None)
     item = reductions.push(
         param,
-        ReduceGradArgs(
-            None,
-            args.full_shape,
-            args.world_size,
-            args.group_name,
-            args.param,
-            args.reduce_dtype,
-            shard.dtype,
-            args.replicate_group,
-        ),
+        args.reduce_args(shard.dtype),
         gathered_dtype,
         shard.device,
         call,

@@ -115,17 +115,20 @@ class ParamSpec:
     unshard_specs: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        fields = (
-            list(self.full_shape),
-            self.world_size,
-            self.group_name,
-            self.fqn,
-            self.param_dtype,
-            self.reduce_dtype,
-            self.reshard_after_forward,
-            self.replicate_group,
+        args = ops.UnshardArgs(
+            shard=None,
+            full_shape=list(self.full_shape),
+            world_size=self.world_size,
+            group_name=self.group_name,
+            param=self.fqn,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            reshard_after_forward=self.reshard_after_forward,
+            replicate_group=self.replicate_group,
+            grad_sync="reduce",
+            grad_sink=None,
         )
-        specs = {mode: ops.UnshardArgs(None, *fields, mode, None).spec() for mode in ops.GRAD_SYNC_MODES}
+        specs = {mode: args._replace(grad_sync=mode).spec() for mode in ops.GRAD_SYNC_MODES}
         object.__setattr__(self, "unshard_specs", specs)
 
     def layout(self, rank: int) -> ops.ShardLayout:

@@ -434,6 +434,19 @@ class UnshardArgs(NamedTuple):
         """``compshard::unshard`` with these arguments."""
         return torch.ops.compshard.unshard(self.shard, self.spec(), self.grad_sink)
 
+    def reduce_args(self, shard_dtype: torch.dtype) -> ReduceGradArgs:
+        """The arguments of the ``reduce_grad`` of this gather's gradient (``grad`` None)."""
+        return ReduceGradArgs(
+            None,
+            self.full_shape,
+            self.world_size,
+            self.group_name,
+            self.param,
+            self.reduce_dtype,
+            shard_dtype,
+            self.replicate_group,
+        )
+
 
 class ReduceGradArgs(NamedTuple):
     """``compshard::reduce_grad``'s arguments by name, its ``spec`` decoded (``grad``: a
@@ -501,9 +514,7 @@ def _(shard, spec, grad_sink):
 @functools.cache
 def _reduce_spec(unshard_spec: str, shard_dtype: torch.dtype) -> str:
     """``reduce_grad``'s spec for the gradient of ``unshard(shard, unshard_spec, ...)``."""
-    args = UnshardArgs.of(None, unshard_spec, None)
-    fields = (args.full_shape, args.world_size, args.group_name, args.param, args.reduce_dtype)
-    return ReduceGradArgs(None, *fields, shard_dtype, args.replicate_group).spec()
+    return UnshardArgs.of(None, unshard_spec, None).reduce_args(shard_dtype).spec()
 
 
 def _unshard_setup_context(ctx, inputs, output):

@@ -88,12 +88,16 @@ def first_arg(node: fx.Node) -> Any:
 
 
 def op_arg(node: fx.Node, name: str) -> Any:
-    """Argument ``name`` of an OpOverload call, by its schema name."""
+    """Argument ``name`` of an OpOverload call, by its schema name (also of a call of an
+    op's packet, as Dynamo records one, when the op has one overload)."""
     if name in node.kwargs:
         return node.kwargs[name]
-    if not isinstance(node.target, torch._ops.OpOverload):
+    target = node.target
+    if isinstance(target, torch._ops.OpOverloadPacket) and target.overloads() == ["default"]:
+        target = target.default
+    if not isinstance(target, torch._ops.OpOverload):
         raise TypeError(f"compshard: {node.format_node()} is not a call of an op overload")
-    for argument, value in zip(node.target._schema.arguments, node.args):
+    for argument, value in zip(target._schema.arguments, node.args):
         if argument.name == name:
             return value
     raise KeyError(f"compshard: {node.format_node()} has no argument {name!r}")
@@ -101,7 +105,7 @@ def op_arg(node: fx.Node, name: str) -> Any:
 
 def unshard_args(node: fx.Node) -> UnshardArgs:
     """A ``compshard::unshard`` node's arguments by name, its spec decoded."""
-    return UnshardArgs.of(*_by_schema(node, ("shard", "spec", "grad_sink")))
+    return UnshardArgs.of(op_arg(node, "shard"), op_arg(node, "spec"), op_arg(node, "grad_sink"))
 
 
 def unshard_group(graph: fx.Graph) -> str:
@@ -119,14 +123,7 @@ def unshard_group(graph: fx.Graph) -> str:
 
 def reduce_grad_args(node: fx.Node) -> ReduceGradArgs:
     """A ``compshard::reduce_grad`` node's arguments by name, its spec decoded."""
-    return ReduceGradArgs.of(*_by_schema(node, ("grad", "spec")))
-
-
-def _by_schema(node: fx.Node, names: tuple[str, ...]) -> list[Any]:
-    """The arguments ``names`` (the op's schema, in order) of ``node``, positional or by
-    keyword; a Dynamo graph calls the op's packet, whose schema ``op_arg`` cannot read."""
-    given = dict(zip(names, node.args)) | dict(node.kwargs)
-    return [given.get(name) for name in names]
+    return ReduceGradArgs.of(op_arg(node, "grad"), op_arg(node, "spec"))
 
 
 def output_values(graph: fx.Graph) -> Any:
