@@ -32,7 +32,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import fx
-from torch.utils.flop_counter import FlopCounterMode, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from compshard.comm.ops import resolve_group
 from compshard.compile_cache import remembered_costs
@@ -246,11 +246,22 @@ _EXTRA_FLOP_FORMULAS = {
 }
 
 
+def _counts_flops(op: torch._ops.OpOverload) -> bool:
+    """Whether ``FlopCounterMode`` can count any FLOPs for ``op``: it has a formula, or a
+    CompositeImplicitAutograd decomposition (which the mode runs, counting its ops). For
+    any other op the count is zero, so running it again under the fake mode (most of a
+    graph's nodes: views, elementwise ops, collectives, compshard's copies) is skipped."""
+    if op.overloadpacket in flop_registry or op.overloadpacket in _EXTRA_FLOP_FORMULAS:
+        return True
+    composite = torch._C.DispatchKey.CompositeImplicitAutograd
+    return composite in op.py_kernels or torch._C._dispatch_has_kernel_for_dispatch_key(op.name(), composite)
+
+
 def _node_seconds(node: fx.Node, op: torch._ops.OpOverload, args: Any, kwargs: Any, costs: Costs) -> float:
     val = node.meta.get("val")
     fake_mode = next((v.fake_mode for v in torch.utils._pytree.tree_leaves(val) if hasattr(v, "fake_mode")), None)
     flops = 0
-    if fake_mode is not None:
+    if fake_mode is not None and _counts_flops(op):
         try:
             with fake_mode, FlopCounterMode(display=False, custom_mapping=_EXTRA_FLOP_FORMULAS) as counter:
                 op(*args, **kwargs)
