@@ -71,6 +71,10 @@ class CompiledGraph:
         return self.plan.graphs[-1]
 
 
+# fx's boxed codegen (GraphModule._boxed_call: the graph takes its inputs as one list it
+# may clear, so each input can be freed at its last use); None where this torch lacks it
+_BOXED_CODEGEN = getattr(fx.graph, "_BoxedCodeGen", None)
+
 _recordings: list[list[CompiledGraph]] = []  # the open record_compiles() blocks
 _compile_numbers = itertools.count()
 
@@ -88,17 +92,20 @@ def record_compiles() -> Iterator[list[CompiledGraph]]:
         _recordings.pop(next(i for i, r in enumerate(_recordings) if r is recorded))
 
 
-def _executor(gm: fx.GraphModule, options: CompileOptions, kind: GraphKind) -> tuple[Callable, str]:
+def _executor(gm: fx.GraphModule, options: CompileOptions, kind: GraphKind, boxed_code: bool) -> tuple[Callable, str]:
     """The boxed callable that runs the scheduled ``gm``, and how it runs (for inspect).
-    ``options.codegen`` is resolved (``"fx"`` or ``"inductor"``)."""
+    ``options.codegen`` is resolved (``"fx"`` or ``"inductor"``). ``boxed_code``: ``gm``'s
+    code is current and boxed (the backend set the codegen before the passes, whose closing
+    recompile wrote it); else (a graph loaded from the cache) it is written here."""
     if options.codegen == "inductor":
         from compshard.inductor_regions import compile_regions
 
         run, regions = compile_regions(gm, kind)
         codegen = f"inductor ({regions} compiled region{'s' if regions != 1 else ''})"
-    elif getattr(fx.graph, "_BoxedCodeGen", None) is not None:
-        gm.graph.set_codegen(fx.graph._BoxedCodeGen())
-        gm.recompile()  # GraphModule._boxed_call: gm takes its inputs as one list it may clear
+    elif _BOXED_CODEGEN is not None:
+        if not boxed_code:
+            gm.graph.set_codegen(_BOXED_CODEGEN())
+            gm.recompile()
         run, codegen = gm, "fx"
     else:
         from torch._functorch.aot_autograd import make_boxed_func
@@ -180,7 +187,7 @@ class ScheduledOutput(OutputCode):
 
     def build(self, from_cache: bool) -> None:
         """Make the executor of ``gm`` and record the graph (``record_compiles``)."""
-        self._run, codegen = _executor(self.gm, self.options, self.kind)
+        self._run, codegen = _executor(self.gm, self.options, self.kind, boxed_code=not from_cache)
         codegen += ", auto" if self.auto else ""
         codegen += ", from cache" if from_cache else ""
         for recorded in _recordings:
@@ -369,6 +376,8 @@ def compshard_backend(gm: fx.GraphModule, example_inputs: Sequence[Any], options
         def compile_graph(graph_module: fx.GraphModule, graph_inputs: Sequence[Any]) -> ScheduledOutput:  # noqa: ARG001
             nonlocal plan
             compiling(kind)
+            if opts.codegen == "fx" and _BOXED_CODEGEN is not None:
+                graph_module.graph.set_codegen(_BOXED_CODEGEN())  # the passes' closing recompile writes its code
             plan = run_passes(graph_module, PassContext(opts, kind), plan)
             if kind == "inference":  # no joint graph: its passes made the bucket plan
                 logs.log_plan(plan)
