@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import operator
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -56,6 +56,7 @@ __all__ = [
     "fake_mode_of",
     "FakeValues",
     "emit",
+    "emit_view",
     "hoist_before",
     "sink_before",
     "program_collective",
@@ -279,6 +280,18 @@ def emit(
     if meta is not None:
         node.meta[META_KEY] = meta
     return node
+
+
+def emit_view(
+    graph: fx.Graph, value: fx.Node, shape: Sequence[int], meta: NodeMeta, fake_values: FakeValues | None = None
+) -> fx.Node:
+    """``value`` viewed as ``shape`` (an ``aten.view`` node, see :func:`emit`), or ``value``
+    itself where it has that shape already (concrete sizes): such a view would only alias
+    it, and every node costs the passes after it time (a 1-D parameter's unpacked rows)."""
+    current = value.meta["val"].shape
+    if all(type(n) is int for n in current) and tuple(current) == tuple(shape):
+        return value
+    return emit(graph, aten.view.default, (value, list(shape)), meta=meta, fake_values=fake_values)
 
 
 # ------------------------------------------------------------------- moving nodes

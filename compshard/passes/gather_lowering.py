@@ -21,6 +21,7 @@ from compshard.passes.fx_utils import (
     collective_members,
     compshard_ops,
     emit,
+    emit_view,
     first_use,
     hoist_before,
     is_op,
@@ -131,8 +132,8 @@ def _lower_gather(
                     (flat, 0, offset, offset + layout.numel),
                     meta("unpack", [name], 0, (bucket.name,)),
                 )
-                full = add(
-                    aten.view.default, (piece, list(layout.full_shape)), meta("unpack", [name], 0, (bucket.name,))
+                full = emit_view(
+                    graph, piece, layout.full_shape, meta("unpack", [name], 0, (bucket.name,)), fake_values
                 )
                 member.replace_all_uses_with(full)
                 graph.erase_node(member)

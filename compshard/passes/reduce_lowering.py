@@ -24,6 +24,7 @@ from compshard.passes.fx_utils import (
     collective_members,
     compshard_ops,
     emit,
+    emit_view,
     first_arg,
     first_use,
     is_op,
@@ -44,7 +45,7 @@ def _cast_and_view(
         value = emit(
             graph, prims.convert_element_type.default, (value, local.dtype), meta=meta, fake_values=fake_values
         )
-    return emit(graph, aten.view.default, (value, list(local.shape)), meta=meta, fake_values=fake_values)
+    return emit_view(graph, value, local.shape, meta, fake_values)
 
 
 def _lower_alone(graph: fx.Graph, node: fx.Node, label: str, fake_values: FakeValues | None) -> None:

@@ -28,11 +28,18 @@ def _lowered(coalescing: Coalescing | None):
     return stage, grads
 
 
+def _local_shapes() -> dict[str, tuple[int, ...]]:
+    stage = before("backward", "lower_reduce_grad", coalesce="none")
+    reductions = calls(stage.graph, compshard_ops.reduce_grad.default)
+    return {reduce_grad_args(n).param: tuple(n.meta["val"].shape) for n in reductions}
+
+
 def _last_compute(graph) -> torch.fx.Node:
     return [n for n in graph.nodes if n.op == "call_function" and node_meta(n).kind is None and not is_view(n)][-1]
 
 
 def test_one_reduce_scatter_per_bucket_packed_once_its_gradients_exist():
+    local_shapes = _local_shapes()
     stage, grads = _lowered(None)
     graph = stage.graph
     assert calls(graph, compshard_ops.reduce_grad.default) == []
@@ -51,6 +58,13 @@ def test_one_reduce_scatter_per_bucket_packed_once_its_gradients_exist():
         assert set(pack.args[0]) == {grads[p] for p in node_meta(reduction.start).params}
         assert last < reduction.wait  # the gradients only leave the graph: waited at the end
         assert reduction.unpack[0].target is compshard_ops.reduce_scatter_copy_out.default
+        # each gradient leaves as one node of its local shape: no view to the shape it has
+        inside = set(reduction.unpack)
+        leaving = [n for n in reduction.unpack if any(user not in inside for user in n.users)]
+        assert sorted(node_meta(n).params for n in leaving) == sorted((p,) for p in node_meta(reduction.start).params)
+        assert all(tuple(n.meta["val"].shape) == local_shapes[node_meta(n).params[0]] for n in leaving)
+        views = [n for n in reduction.unpack if n.target is torch.ops.aten.view.default]
+        assert views and all(v.args[0].meta["val"].shape != v.meta["val"].shape for v in views)
     for earlier, later in zip(reductions, reductions[1:]):  # started while the next bucket's gradients are made
         assert earlier.start < max(later.pack[0].args[0])
 
