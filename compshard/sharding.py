@@ -297,8 +297,9 @@ def _gather_members(unit: nn.Module, members: tuple[eager_gather.MemberModule, .
 
 
 # a gather unit's member module: its path from the unit and, per parameter it gathers,
-# (attribute name, canonical name, compshard::unshard's arguments after the shard)
-_MemberReads = tuple[tuple[str, ...], tuple[tuple[str, str, tuple], ...]]
+# (attribute name, canonical name, compshard::unshard's spec, whether the parameter is a
+# DTensor: its rows are its local tensor)
+_MemberReads = tuple[tuple[str, ...], tuple[tuple[str, str, str, bool], ...]]
 
 
 def _unit_reads(unit: nn.Module) -> tuple[_MemberReads, ...] | None:
@@ -313,7 +314,9 @@ def _unit_reads(unit: nn.Module) -> tuple[_MemberReads, ...] | None:
             read = _read_of(module, name)
             if read.placed or read.spec.compute_device is not None:
                 return None
-            params.append((name, fqn, read.reduce_args))
+            spec, grad_sink = read.reduce_args
+            assert grad_sink is None  # no sink claimed: the only case this path takes
+            params.append((name, fqn, spec, isinstance(module._parameters[name], DTensor)))
         reads.append((member.path, tuple(params)))
     return tuple(reads)
 
@@ -328,15 +331,21 @@ def _compiled_reads(unit: nn.Module) -> tuple[_MemberReads, ...] | None:
 
 def _gather_compiled(unit: nn.Module, reads: tuple[_MemberReads, ...]) -> dict[str, torch.Tensor]:
     """:func:`_gather_members` while compiling, from ``reads``: what :func:`_unshard` does
-    for these parameters in the fewest traced instructions (each costs Dynamo time, per
-    parameter of the model)."""
+    for these parameters (:func:`_local_rows`' compiled branch written out, the arguments
+    as constants) in the fewest traced instructions, each of which costs Dynamo time per
+    parameter of the model."""
     gathered = {}
+    unshard = torch.ops.compshard.unshard  # looked up once, not per parameter
     for path, params in reads:
         module = eager_gather.submodule(unit, path)
-        for name, fqn, args in params:
+        for name, fqn, spec, sharded in params:
             param = module._parameters[name]
             assert param is not None  # shard registered it
-            gathered[fqn] = torch.ops.compshard.unshard(_local_rows(param), *args)
+            rows = param  # one rank: the parameter is a plain tensor
+            if sharded:  # a constant (a DTensor, as ``shard`` found it): Dynamo traces one branch
+                local = param._local_tensor  # type: ignore[attr-defined]  # no isinstance: one traced step less
+                rows = local if param.requires_grad else local.detach()
+            gathered[fqn] = unshard(rows, spec, None)
     return gathered
 
 
