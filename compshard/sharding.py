@@ -142,7 +142,8 @@ def _local_rows(param: nn.Parameter) -> torch.Tensor:
     parameter, so the graph takes plain tensors (a DTensor input makes Dynamo and
     AOTAutograd trace it as a tensor subclass: 15 to 25% of a first step's time). A frozen
     parameter's rows are detached either way (its local tensor requires gradients, so
-    that unfreezing it later needs nothing more)."""
+    that unfreezing it later needs nothing more). :func:`_gather_compiled` writes the
+    compiled branch out; ``tests/test_compile_time.py`` holds both to the same graph."""
     if not isinstance(param, DTensor):
         return param
     if not param.requires_grad:

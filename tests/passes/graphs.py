@@ -225,3 +225,17 @@ def layout(graph: fx.Graph) -> list[str]:
     """Each node as FX prints it (name, op, target, arguments), in order: what a pass that
     leaves the graph alone leaves as it was."""
     return [node.format_node() for node in graph.nodes]
+
+
+def assert_each_leaves_once_in_its_shape(
+    unpack: list[fx.Node], params: tuple[str, ...], shapes: dict[str, tuple[int, ...]]
+) -> None:
+    """Each of ``params`` leaves a collective's ``unpack`` nodes as one node of its shape in
+    ``shapes`` (a view for a 2-D one, the node before it for a 1-D one): no view to the shape
+    a node has already."""
+    inside = set(unpack)
+    leaving = [n for n in unpack if any(user not in inside for user in n.users)]
+    assert sorted(node_meta(n).params for n in leaving) == sorted((name,) for name in params)
+    assert all(tuple(n.meta["val"].shape) == shapes[node_meta(n).params[0]] for n in leaving)
+    views = [n for n in unpack if n.target is torch.ops.aten.view.default]
+    assert views and all(v.args[0].meta["val"].shape != v.meta["val"].shape for v in views)

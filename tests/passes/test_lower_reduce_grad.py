@@ -12,7 +12,15 @@ from compshard.comm.ops import simulated_backends
 from compshard.compile_plan import BucketPlan, Coalescing, node_meta
 from compshard.passes.fx_utils import c10d, collective_groups, compshard_ops, is_view, reduce_grad_args
 from compshard.passes.lower_reduce_grad import lower_reduce_grad
-from tests.passes.graphs import before, calls, nodes_of, param_bytes, reduce_grad, traced
+from tests.passes.graphs import (
+    assert_each_leaves_once_in_its_shape,
+    before,
+    calls,
+    nodes_of,
+    param_bytes,
+    reduce_grad,
+    traced,
+)
 
 pytestmark = pytest.mark.usefixtures("world")
 
@@ -58,13 +66,7 @@ def test_one_reduce_scatter_per_bucket_packed_once_its_gradients_exist():
         assert set(pack.args[0]) == {grads[p] for p in node_meta(reduction.start).params}
         assert last < reduction.wait  # the gradients only leave the graph: waited at the end
         assert reduction.unpack[0].target is compshard_ops.reduce_scatter_copy_out.default
-        # each gradient leaves as one node of its local shape: no view to the shape it has
-        inside = set(reduction.unpack)
-        leaving = [n for n in reduction.unpack if any(user not in inside for user in n.users)]
-        assert sorted(node_meta(n).params for n in leaving) == sorted((p,) for p in node_meta(reduction.start).params)
-        assert all(tuple(n.meta["val"].shape) == local_shapes[node_meta(n).params[0]] for n in leaving)
-        views = [n for n in reduction.unpack if n.target is torch.ops.aten.view.default]
-        assert views and all(v.args[0].meta["val"].shape != v.meta["val"].shape for v in views)
+        assert_each_leaves_once_in_its_shape(reduction.unpack, node_meta(reduction.start).params, local_shapes)
     for earlier, later in zip(reductions, reductions[1:]):  # started while the next bucket's gradients are made
         assert earlier.start < max(later.pack[0].args[0])
 

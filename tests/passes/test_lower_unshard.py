@@ -11,7 +11,16 @@ from compshard.comm.ops import simulated_backends
 from compshard.compile_plan import BucketPlan, Coalescing, node_meta
 from compshard.passes.fx_utils import c10d, collective_groups, compshard_ops
 from compshard.passes.lower_unshard import lower_unshard
-from tests.passes.graphs import Stack, before, calls, nodes_of, param_bytes, traced, unshard
+from tests.passes.graphs import (
+    Stack,
+    assert_each_leaves_once_in_its_shape,
+    before,
+    calls,
+    nodes_of,
+    param_bytes,
+    traced,
+    unshard,
+)
 
 pytestmark = pytest.mark.usefixtures("world")
 
@@ -24,6 +33,7 @@ def _lowered(coalescing: Coalescing | None, kind: str = "forward"):
 
 
 def test_one_all_gather_per_bucket_waited_just_before_first_use():
+    shapes = {name: tuple(p.shape) for name, p in Stack().named_parameters()}
     stage = _lowered(None)
     graph = stage.graph
     assert calls(graph, compshard_ops.unshard.default) == []
@@ -41,19 +51,7 @@ def test_one_all_gather_per_bucket_waited_just_before_first_use():
         assert gather.wait.target is c10d.wait_tensor.default and node_meta(gather.wait).gathered
         after_unpack = gather.unpack[-1].next
         assert set(after_unpack.all_input_nodes) & set(gather.unpack), "the wait is not just before the first use"
-        _each_parameter_unpacked_once_to_its_shape(gather.unpack, node_meta(gather.start).params)
-
-
-def _each_parameter_unpacked_once_to_its_shape(unpack: list[torch.fx.Node], params: tuple[str, ...]) -> None:
-    """Every parameter leaves the unpack as one node of its full shape (a view for 2-D
-    weights, the slice itself for 1-D ones: no view to the shape a node has already)."""
-    shapes = {name: tuple(p.shape) for name, p in Stack().named_parameters()}
-    inside = set(unpack)
-    leaving = [n for n in unpack if any(user not in inside for user in n.users)]
-    assert sorted(node_meta(n).params for n in leaving) == sorted((name,) for name in params)
-    assert all(tuple(n.meta["val"].shape) == shapes[node_meta(n).params[0]] for n in leaving)
-    views = [n for n in unpack if n.target is torch.ops.aten.view.default]
-    assert views and all(v.args[0].meta["val"].shape != v.meta["val"].shape for v in views)
+        assert_each_leaves_once_in_its_shape(gather.unpack, node_meta(gather.start).params, shapes)
 
 
 def test_coalesced_buckets_share_one_all_gather_and_unpack_apart():
