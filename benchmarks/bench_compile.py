@@ -11,7 +11,12 @@ of --layers:
 - ``compshard``: sharded with ``compshard.shard`` (calibration happens there, before the
   clock starts) and compiled with ``backend="compshard"``;
 - ``aot_eager``, ``inductor``: the same model unsharded, ``torch.compile`` with that
-  backend (Inductor's caches are disabled, so each repeat compiles from scratch).
+  backend (Inductor's caches are disabled, so each repeat compiles from scratch);
+- ``sharded_aot_eager``: the model sharded as for ``compshard`` and compiled with plain
+  ``aot_eager``: what torch alone spends tracing the sharded model (its DTensor
+  parameters, one ``unshard`` per parameter read), none of compshard's backend. Set
+  beside the other two, it splits compshard's excess over ``aot_eager`` into torch's
+  tracing of the sharded model and compshard's own passes.
 
 Every measurement starts from ``torch._dynamo.reset()`` (after one untimed compile of a
 one-layer GPT per system, so one-time process costs fall on none); each system and depth is timed
@@ -59,7 +64,7 @@ import compshard
 from compshard import backend
 from compshard.models import GPT, GPTConfig
 
-SYSTEMS = ("compshard", "aot_eager", "inductor")
+SYSTEMS = ("compshard", "aot_eager", "inductor", "sharded_aot_eager")
 
 
 class Phase(NamedTuple):
@@ -106,11 +111,12 @@ def first_step_seconds(
     this rank's seconds of each of ``PHASES``."""
     torch._dynamo.reset()
     model = copy.deepcopy(reference)
-    if system == "compshard":
+    if system in ("compshard", "sharded_aot_eager"):
         compshard.shard(model)
+    if system == "compshard":
         compiled = torch.compile(model, backend="compshard", options=options)
     else:
-        compiled = torch.compile(model, backend=system)
+        compiled = torch.compile(model, backend=system.removeprefix("sharded_"))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     if dist.is_initialized():
         dist.barrier()
@@ -140,7 +146,9 @@ def first_step_seconds(
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="4,16,48", help="comma-separated depths")
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help=f"comma-separated, of {list(SYSTEMS)}")
+    parser.add_argument(
+        "--systems", default="compshard,aot_eager,inductor", help=f"comma-separated, of {list(SYSTEMS)}"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
@@ -174,7 +182,7 @@ def parse_args() -> argparse.Namespace:
         bad = [e for e in args.restarts if e not in ("compshard:fx", "compshard:inductor", *SYSTEMS[1:])]
         if bad:
             parser.error(
-                f"--restarts: unknown entries {bad}; use compshard:fx, compshard:inductor, aot_eager or inductor"
+                f"--restarts: unknown entries {bad}; use compshard:fx, compshard:inductor or one of {list(SYSTEMS[1:])}"
             )
     return args
 
