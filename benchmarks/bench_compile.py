@@ -15,8 +15,9 @@ of --layers:
 - ``sharded_aot_eager``: the model sharded as for ``compshard`` and compiled with plain
   ``aot_eager``: what torch alone spends tracing the sharded model (its DTensor
   parameters, one ``unshard`` per parameter read), none of compshard's backend. Set
-  beside the other two, it splits compshard's excess over ``aot_eager`` into torch's
-  tracing of the sharded model and compshard's own passes.
+  beside ``compshard`` and ``aot_eager``, it splits compshard's excess over
+  ``aot_eager`` into torch's tracing of the sharded model and compshard's own passes.
+  Run only when named in --systems.
 
 Every measurement starts from ``torch._dynamo.reset()`` (after one untimed compile of a
 one-layer GPT per system, so one-time process costs fall on none); each system and depth is timed
@@ -64,7 +65,8 @@ import compshard
 from compshard import backend
 from compshard.models import GPT, GPTConfig
 
-SYSTEMS = ("compshard", "aot_eager", "inductor", "sharded_aot_eager")
+DEFAULT_SYSTEMS = ("compshard", "aot_eager", "inductor")
+SYSTEMS = (*DEFAULT_SYSTEMS, "sharded_aot_eager")  # the last one on request only: a diagnostic
 
 
 class Phase(NamedTuple):
@@ -146,9 +148,7 @@ def first_step_seconds(
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--layers", default="4,16,48", help="comma-separated depths")
-    parser.add_argument(
-        "--systems", default="compshard,aot_eager,inductor", help=f"comma-separated, of {list(SYSTEMS)}"
-    )
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help=f"comma-separated, of {list(SYSTEMS)}")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--heads", type=int, default=4)
