@@ -73,6 +73,10 @@ class GradSync:
         self.requires_sync = True
         self.eager = EagerReductions()  # uncompiled gathers awaiting their gradients
         self.specs: dict[str, Any] = {}
+        # the DTensor parameters whose local tensors compiled graphs take, in registration order
+        # (compshard.sharding.move_local_gradients); held here, not by weak reference: a
+        # parameter with a weak reference cannot be swapped by nn.Module._apply (module.to())
+        self.routed: list[nn.Parameter] = []
         self.sinks: dict[str, torch.Tensor] = {}  # parameter name -> zero-stride full-shape leaf
         # parameter name -> full tensor gathered for the step, which parameter reads return and
         # whose .grad accumulates; None outside compshard.step_gather.gathered_for_step

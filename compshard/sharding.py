@@ -357,9 +357,77 @@ def _install_properties(module: nn.Module, names: tuple[str, ...]) -> None:
     base = type(module)
     key = (base, names)
     if key not in _SHARDED_CLASSES:
-        attrs = {name: _sharded_property(name) for name in names}
+        attrs: dict[str, Any] = {name: _sharded_property(name) for name in names}
+        attrs["_apply"] = _sharded_apply(base)
         _SHARDED_CLASSES[key] = type(f"Sharded{base.__name__}", (base,), attrs)
     module.__class__ = _SHARDED_CLASSES[key]
+
+
+# [Note: conversions of a sharded module]
+# ``module.to(...)``, ``.float()``, ``.bfloat16()``, ``.cpu()``, ``.to_empty(...)`` all run
+# ``nn.Module._apply(fn)``, which for a DTensor parameter builds ``Parameter(fn(param))`` and
+# swaps it into the existing parameter object (``torch.utils.swap_tensors``): the object an
+# optimizer or a framework holds stays the same, its shard is converted. Two things follow.
+# The swap refuses a parameter that anything references weakly, so compshard keeps its
+# registries of parameters by strong reference (``GradSync.routed``). And the swapped-in
+# local tensor is a fresh detached tensor, so each sharded module's ``_apply`` makes it a
+# gradient leaf again (:func:`_route_local_gradients`), as FSDP2 refreshes its per-parameter
+# record after ``_apply``. What a conversion cannot keep consistent is refused before any
+# parameter changes: a move of shards off their mesh's device type (every rank's shards
+# live where its mesh's collectives run), or any device move of offloaded shards.
+_CONVERTING: list[nn.Module] = []  # the outermost sharded module whose _apply is running
+
+
+def _sharded_apply(base: type[nn.Module]) -> Any:
+    def _apply(self: nn.Module, fn: Any, recurse: bool = True) -> nn.Module:
+        outermost = not _CONVERTING
+        if outermost:
+            _check_conversion(self, fn)
+            _CONVERTING.append(self)
+        try:
+            result = base._apply(self, fn, recurse)
+        finally:
+            if outermost:
+                _CONVERTING.pop()
+        for param in self._parameters.values():
+            if isinstance(param, DTensor):
+                _route_local_gradients(param)
+        return result
+
+    _apply.__doc__ = "nn.Module._apply keeping the shards consistent ([Note: conversions of a sharded module])"
+    return _apply
+
+
+def _check_conversion(module: nn.Module, fn: Any) -> None:
+    """Refuse ``fn`` (an ``_apply`` conversion) where it would move a sharded parameter off
+    the device its shards must live on, naming the parameter and the devices, before any
+    parameter of ``module`` changes. ``fn`` is tried on an empty tensor of each parameter's
+    dtype and device (conversions act on any tensor alike)."""
+    tried: dict[tuple[torch.dtype, torch.device], torch.device] = {}
+    for sub in module.modules():
+        for name, param in sub._parameters.items():
+            spec = getattr(sub, "_compshard_specs", {}).get(name)
+            if param is None or spec is None:
+                continue
+            key = (param.dtype, param.device)
+            if key not in tried:
+                with torch.no_grad():
+                    tried[key] = fn(torch.empty(0, dtype=param.dtype, device=param.device)).device
+            moved_to = tried[key]
+            if spec.compute_device is not None and moved_to != param.device:
+                raise ValueError(
+                    f"compshard: a conversion (module.to(), .cuda(), .cpu(), .to_empty()) would move offloaded "
+                    f"parameter '{spec.fqn}' from {param.device} to {moved_to}; with offload=True its shard stays "
+                    "in pinned CPU memory and is copied to the GPU for each gather. Convert dtypes only, or shard "
+                    "without offload"
+                )
+            if isinstance(param, DTensor) and moved_to.type != param.device_mesh.device_type:
+                raise ValueError(
+                    f"compshard: a conversion (module.to(), .cuda(), .cpu(), .to_empty()) would move parameter "
+                    f"'{spec.fqn}' to {moved_to}, but compshard.shard placed its shards on a "
+                    f"{param.device_mesh.device_type!r} device mesh, whose collectives need them there. Move the "
+                    "model to its device before compshard.shard, or shard it with a mesh of that device type"
+                )
 
 
 def plain_class(cls: type) -> type | None:
@@ -600,6 +668,7 @@ def shard(
             cost_model.calibrate(group_name, torch.device(mesh.device_type))
 
     grad_sync = GradSync()
+    _MODELS.add(grad_sync)
     sharded: dict[int, tuple[nn.Parameter, ParamSpec, tensor_parallel.TensorParallelLayout | None]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         names = tuple(name for name, p in sub._parameters.items() if p is not None)
@@ -622,8 +691,11 @@ def shard(
                     replicate_group=groups.replicate_group,
                     compute_device=compute_device,
                 )
-                sharded[id(original)] = (_shard_param(original, spec, mesh, groups, layout), spec, layout)
+                at_rest = _shard_param(original, spec, mesh, groups, layout)
+                sharded[id(original)] = (at_rest, spec, layout)
                 grad_sync.specs[spec.fqn] = spec
+                if isinstance(at_rest, DTensor):
+                    grad_sync.routed.append(at_rest)
                 original._compshard_replaced_by_shard = spec.fqn
             new_param, specs[name], layout = sharded[id(original)]
             sub._parameters[name] = new_param
@@ -821,18 +893,19 @@ def _check_optimizer(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -
     _CHECKED.add(optimizer)
 
 
-# every DTensor parameter whose local tensor compiled graphs take, by id
-_ROUTED: weakref.WeakValueDictionary[int, nn.Parameter] = weakref.WeakValueDictionary()
+# the gradient-sync state of every live sharded model, whose ``routed`` parameters'
+# local tensors compiled graphs take (weakly: a model that is gone is not walked)
+_MODELS: weakref.WeakSet[GradSync] = weakref.WeakSet()
 
 
 def _route_local_gradients(param: nn.Parameter) -> None:
     """Make the local tensor of DTensor ``param`` a leaf that requires gradients: compiled
     graphs take it as their input (see :func:`_local_rows`), and their backward leaves the
-    parameter's gradient on it, which :func:`move_local_gradients` moves to ``param.grad``.
-    (Not a hook on the tensor: a tensor freed on a communication thread while the
-    interpreter exits would take its Python hook down with the process.)"""
+    parameter's gradient on it, which :func:`move_local_gradients` moves to ``param.grad``
+    (the parameter is in its model's ``GradSync.routed``). (Not a hook on the tensor: a
+    tensor freed on a communication thread while the interpreter exits would take its
+    Python hook down with the process.)"""
     _local_tensor(param).requires_grad_(True)
-    _ROUTED[id(param)] = param
 
 
 def _local_tensor(param: nn.Parameter) -> torch.Tensor:
@@ -845,7 +918,7 @@ def move_local_gradients() -> None:
     """Add the gradient each sharded parameter's local tensor holds to the parameter's
     ``grad`` (as a DTensor), leaving the local tensor's own ``grad`` empty. The backend
     queues it at the end of every backward pass that runs a compiled backward graph."""
-    for param in list(_ROUTED.values()):
+    for param in [param for state in list(_MODELS) for param in state.routed]:
         local = _local_tensor(param)
         if local.grad is None:
             continue
