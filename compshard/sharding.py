@@ -47,7 +47,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from compshard import cost_model, eager_gather, tensor_parallel
+from compshard import cost_model, eager_gather, sharded_init, tensor_parallel
 from compshard.comm import liveness, ops
 from compshard.grad_sync import GradSync
 from compshard.module_tree import outermost_match, repeated_block, repeated_containers
@@ -448,9 +448,15 @@ def _check_flag(option: str, value: Any) -> None:
 
 
 def _default_mesh(module: nn.Module) -> DeviceMesh | None:
+    """The default process group as a mesh of the parameters' device type; for a model
+    on the meta device, of the device its collectives run on (``"cpu"`` for gloo, the
+    current accelerator otherwise)."""
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    devices = {p.device.type for p in module.parameters()}
+    devices = _devices(module)
+    if not devices:  # all on meta
+        accelerator = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else None
+        devices = {"cpu" if dist.get_backend() == "gloo" or accelerator is None else accelerator.type}
     device_type = devices.pop() if len(devices) == 1 else "cpu"
     world = dist.group.WORLD
     assert world is not None  # initialized
@@ -517,7 +523,13 @@ def _offload_device(offload: bool, module: nn.Module, mesh: DeviceMesh | None) -
     _check_flag("offload", offload)
     if not offload:
         return "off", None
-    device_types = {p.device.type for p in module.parameters()} | ({mesh.device_type} if mesh is not None else set())
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(
+            "compshard.shard: offload=True needs the parameters' values (they are copied into pinned CPU memory), "
+            "but some are on the meta device: materialize the model first (to_empty, then its initialization), "
+            "or shard without offload"
+        )
+    device_types = _devices(module) | ({mesh.device_type} if mesh is not None else set())
     if device_types <= {"cpu"}:
         warnings.warn(
             "compshard.shard: offload=True has nothing to offload on a CPU-only run: parameter shards, "
@@ -531,6 +543,11 @@ def _offload_device(offload: bool, module: nn.Module, mesh: DeviceMesh | None) -
             f"{sorted(device_types)}"
         )
     return "pinned_cpu", torch.device("cuda", torch.cuda.current_device())
+
+
+def _devices(module: nn.Module) -> set[str]:
+    """The device types of ``module``'s parameters, the meta device aside."""
+    return {p.device.type for p in module.parameters() if not p.is_meta}
 
 
 def is_sharded(module: nn.Module) -> bool:
@@ -653,7 +670,6 @@ def shard(
     _check_flag("cast_forward_inputs", cast_forward_inputs)
     _check_mesh(strategy, mesh)
     gather_units = _check_gather_units(module, gather_units)
-    _check_initialized(module)
     _warn_if_compiled_before(module)
     if mesh is None:
         mesh = _default_mesh(module)
@@ -760,19 +776,6 @@ def _warn_if_compiled_before(module: nn.Module) -> None:
         )
 
 
-def _check_initialized(module: nn.Module) -> None:
-    """Refuse parameters and buffers on the meta device: ``shard`` slices and broadcasts
-    their values, which they do not have."""
-    meta = [name for name, tensor in [*module.named_parameters(), *module.named_buffers()] if tensor.is_meta]
-    if meta:
-        raise ValueError(
-            f"compshard.shard: {len(meta)} parameter(s)/buffer(s) are on the meta device ({meta[:4]}): shard keeps "
-            "this rank's rows of their values (broadcast from the first rank), so they need values first. Initialize "
-            "the model before shard: model.to_empty(device='cpu' or 'cuda') then your initialization (e.g. each "
-            "module's reset_parameters()), or build it on a real device"
-        )
-
-
 def _check_gather_units(module: nn.Module, gather_units: Sequence[str] | None) -> tuple[str, ...] | None:
     if gather_units is None:
         return None
@@ -830,10 +833,13 @@ def _broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
     construction: ranks initialized differently (no common seed) would otherwise each keep
     rows of their own model. Tensors of a dtype are flattened into buckets of at most
     256 MiB, one broadcast each, along every mesh dimension in turn. A tensor-parallel
-    DTensor broadcasts its local piece (the ranks of a dp group share its tp coordinate)."""
+    DTensor broadcasts its local piece (the ranks of a dp group share its tp coordinate).
+    Tensors on the meta device have no values to broadcast: every rank initializes them
+    after ``to_empty`` (alike, with one seed: :mod:`compshard.sharded_init`)."""
     tensors = [
         t._local_tensor if isinstance(t, DTensor) else t
         for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+        if not t.is_meta
     ]
     by_kind: dict[tuple, list[torch.Tensor]] = {}
     for tensor in tensors:
@@ -906,6 +912,7 @@ def _route_local_gradients(param: nn.Parameter) -> None:
     tensor freed on a communication thread while the interpreter exits would take its
     Python hook down with the process.)"""
     _local_tensor(param).requires_grad_(True)
+    sharded_init.mark_sharded(param)
 
 
 def _local_tensor(param: nn.Parameter) -> torch.Tensor:

@@ -94,14 +94,25 @@ class GPT(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         self.lm_head.weight = self.wte.weight
-        self.apply(self._init_weights)
+        self.init_weights()
+
+    def init_weights(self) -> None:
+        """(Re)initialize every parameter and buffer, as at construction: what a model
+        built on the meta device runs after ``to_empty`` (the same values for the same
+        seed, sharded or not)."""
+        with torch.no_grad():
+            self.apply(self._init_module)
 
     @staticmethod
-    def _init_weights(module: nn.Module) -> None:
+    def _init_module(module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
         if isinstance(module, nn.Linear) and module.bias is not None:
             nn.init.zeros_(module.bias)
+        if isinstance(module, nn.LayerNorm):
+            module.reset_parameters()
+        if isinstance(module, CausalSelfAttention):
+            module.mask.copy_(torch.tril(torch.ones_like(module.mask)))
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         seq = idx.size(1)
