@@ -37,6 +37,7 @@ LAYERS = [
     {"passes"},
     {"inductor_regions", "sharding", "step_gather", "checkpoint", "backend"},
     {"predict", "pipelining", "models"},
+    {"integrations"},
 ]
 # The lowest layers, each with the only compshard modules (or packages) outside it that
 # it may import.

@@ -1,0 +1,62 @@
+"""What the framework-integration tests share: a tiny HF Llama, its token rows, and the
+environment torchrun gives a rank (which Accelerate and the Trainer read)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+VOCAB, SEQ, ROWS = 64, 16, 16
+
+
+def tiny_llama():
+    """A 2-layer HF Llama, the same initial weights on every call."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        vocab_size=VOCAB,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    return LlamaForCausalLM(config)
+
+
+def tokens() -> torch.Tensor:
+    """``ROWS`` rows of ``SEQ`` tokens: the training data, the same in every process."""
+    return torch.randint(0, VOCAB, (ROWS, SEQ), generator=torch.Generator().manual_seed(1))
+
+
+def rows_of(data: torch.Tensor, step: int, rank: int, world_size: int, rows_per_rank: int) -> torch.Tensor:
+    """The rows a framework's data loader gives ``rank`` at ``step`` from a sequential
+    sampler: batches of ``rows_per_rank``, dealt to the ranks in turn (Accelerate's
+    batch sharding, which the Trainer uses too)."""
+    start = (step * world_size + rank) * rows_per_rank
+    return data[start : start + rows_per_rank]
+
+
+def join_as_torchrun(rank: int, world_size: int) -> None:
+    """Set what torchrun sets for a rank; the frameworks read it (the process group that
+    ``tests.distributed.run_distributed`` made is used as it is)."""
+    os.environ.update(
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world_size),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT="29500",
+        OMP_NUM_THREADS="1",
+    )
+
+
+def shards(module: torch.nn.Module) -> dict[str, tuple]:
+    """Each parameter's placements, this rank's rows of it and its full shape."""
+    return {
+        name: (tuple(str(p) for p in param.placements), tuple(param.to_local().shape), tuple(param.shape))
+        for name, param in module.named_parameters()
+    }
