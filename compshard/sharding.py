@@ -47,10 +47,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-from compshard import cost_model, eager_gather, sharded_init, tensor_parallel
+from compshard import call_agreement, cost_model, eager_gather, sharded_init, tensor_parallel
 from compshard.comm import liveness, ops
 from compshard.grad_sync import GradSync
-from compshard.module_tree import outermost_match, repeated_block, repeated_containers
+from compshard.module_tree import module_of, outermost_match, repeated_block, repeated_containers
 from compshard.torch_compat import constant_lookup
 
 __all__ = [
@@ -200,6 +200,17 @@ def _install_forward_scopes(root: nn.Module) -> None:
         if sub is root or (hasattr(sub, "_compshard_specs") and not hasattr(sub, "_compshard_unit")):
             sub.register_forward_pre_hook(functools.partial(_enter_forward, forward))
             sub.register_forward_hook(functools.partial(_leave_forward, forward), always_call=True)
+    owner = next((sub for sub in root.modules() if getattr(sub, "_compshard_specs", None)), None)
+    if owner is not None:  # every rank at the end of each uncompiled forward (compshard.call_agreement)
+        name, spec = next(iter(_specs(owner).items()))
+        param = owner._parameters[name]
+        assert param is not None  # shard registered it
+        root.register_forward_hook(functools.partial(_agree_forward_end, spec, param))
+
+
+def _agree_forward_end(spec: ParamSpec, param: nn.Parameter, root: nn.Module, args: Any, output: Any) -> None:
+    if not torch.compiler.is_compiling() and _grad_sync(root).step_gathered is None:
+        _agree(call_agreement.FORWARD_END, "", spec, param)
 
 
 @dataclass(frozen=True)
@@ -276,8 +287,30 @@ def _unshard(module: nn.Module, name: str, state: GradSync) -> torch.Tensor:
 
 
 def _unshard_read(module: nn.Module, name: str) -> torch.Tensor:
-    """A read's gather of ``module.<name>`` (outside its unit's call, or without a unit)."""
-    return _unshard(module, name, _grad_sync(module))
+    """A read's gather of ``module.<name>`` (outside its unit's call, or without a unit),
+    where every rank must be (:mod:`compshard.call_agreement`)."""
+    state = _grad_sync(module)
+    if not torch.compiler.is_compiling() and state.step_gathered is None:
+        spec = _specs(module)[name]
+        _agree(spec.fqn, module_of(spec.fqn), spec, module._parameters[name])
+    return _unshard(module, name, state)
+
+
+def _unit_path(unit: nn.Module) -> str:
+    """The module path of gather unit ``unit`` in the sharded model."""
+    path = unit._compshard_unit_path
+    assert isinstance(path, str)  # _install_gather_units'
+    return path
+
+
+def _agree(place: str, module: str, spec: ParamSpec, param: nn.Parameter | None) -> None:
+    """:func:`compshard.call_agreement.agree` on the group that ``spec``'s parameter
+    (``param``) communicates in: its shard group, or its replica group where it is not
+    split (its gradient's reduction is its one collective)."""
+    group = spec.group_name if spec.world_size > 1 else spec.replicate_group
+    if group:
+        assert param is not None  # shard registered it
+        call_agreement.agree(place, module, group, spec.compute_device or param.device)
 
 
 def _gather_members(unit: nn.Module, members: tuple[eager_gather.MemberModule, ...]) -> dict[str, torch.Tensor]:
@@ -285,6 +318,10 @@ def _gather_members(unit: nn.Module, members: tuple[eager_gather.MemberModule, .
     The gradient-sync state is read once, from the unit, not once per parameter (each
     extra read of that shared object is a Dynamo guard)."""
     state = _grad_sync(unit)
+    if not torch.compiler.is_compiling() and state.step_gathered is None and members:
+        first = eager_gather.submodule(unit, members[0].path)
+        name = members[0].names[0][0]
+        _agree(_unit_path(unit), _unit_path(unit), _specs(first)[name], first._parameters[name])
     if torch.compiler.is_compiling() and state.step_gathered is None and not state.sinks:
         reads = _compiled_reads(unit)
         if reads is not None:
@@ -806,22 +843,23 @@ def _install_gather_units(root: nn.Module, patterns: Sequence[str]) -> None:
         if hasattr(sub, "_compshard_specs"):
             owners.setdefault(id(sub), (prefix, sub))
     containers = repeated_containers(prefix for prefix, _ in owners.values())
-    units: dict[int, tuple[nn.Module, dict[str, tuple[nn.Module, str]]]] = {}
+    units: dict[int, tuple[nn.Module, str, dict[str, tuple[nn.Module, str]]]] = {}
     for prefix, sub in owners.values():
         block = outermost_match(prefix, patterns) or repeated_block(prefix, containers)
         if block is not None:
-            unit = root.get_submodule(block)
+            unit, path = root.get_submodule(block), block
         elif sub is not root and eager_gather.needs_call_scope(sub):
-            unit = sub
+            unit, path = sub, prefix
         else:
             continue
-        members = units.setdefault(id(unit), (unit, {}))[1]
+        members = units.setdefault(id(unit), (unit, path, {}))[2]
         for name, spec in _specs(sub).items():
             members.setdefault(spec.fqn, (sub, name))
-    for unit, members in units.values():
+    for unit, path, members in units.values():
         if all(module is unit for module, _ in members.values()) and not eager_gather.needs_call_scope(unit):
             continue  # a block that is one torch.nn layer: it reads each parameter once anyway
         eager_gather.install_call_scope(unit, list(members.values()), _gather_members)
+        unit._compshard_unit_path = path  # type: ignore[assignment]  # any value; stubs: Tensor | Module
         unit._compshard_compiled_reads = _unit_reads(unit)  # type: ignore[assignment]  # any value; stubs: Tensor | Module
 
 

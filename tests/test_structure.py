@@ -28,12 +28,12 @@ PACKAGE = ROOT / "compshard"
 # The package's layers, lowest first (docs/architecture.md's module map): a module
 # imports nothing of a later layer. Each name is a top-level module or subpackage.
 LAYERS = [
-    {"compile_plan", "options", "torch_compat", "module_tree", "tensor_parallel", "clip"},
+    {"compile_plan", "options", "torch_compat", "module_tree", "tensor_parallel", "clip", "sharded_init"},
     {"sizes", "timeline", "logs"},
     {"kernels"},
     {"comm"},
     {"compile_cache", "cost_model"},
-    {"eager_gather", "grad_sync"},
+    {"eager_gather", "grad_sync", "call_agreement"},
     {"passes"},
     {"inductor_regions", "sharding", "step_gather", "checkpoint", "backend"},
     {"predict", "pipelining", "models"},

@@ -228,7 +228,7 @@ def _gather_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> tor
     works = []
     for to, source in _peers(rank, world_size):
         works += [group.send([rows[rank]], to, GATHER_ROWS_TAG), group.recv([rows[source]], source, GATHER_ROWS_TAG)]
-    torch._C._distributed_c10d._register_work(buffer, _Watched(works, group_name))  # wait_tensor(buffer) waits
+    torch._C._distributed_c10d._register_work(buffer, WatchedWork(works, group_name))  # wait_tensor(buffer) waits
     return buffer
 
 
@@ -244,7 +244,7 @@ torch.library.define("compshard::exchange_rows_", "(Tensor(a!) buffer, int world
 def _exchange_rows_(buffer: torch.Tensor, world_size: int, group_name: str) -> torch.Tensor:
     group = resolve_group(group_name)
     received = torch.empty_like(buffer)  # gloo's all-to-all cannot receive into the buffer it sends from
-    work = _CopiedBack(_Watched([group.alltoall_base(received, buffer, [], [])], group_name), received, buffer)
+    work = _CopiedBack(WatchedWork([group.alltoall_base(received, buffer, [], [])], group_name), received, buffer)
     torch._C._distributed_c10d._register_work(buffer, work)
     return buffer
 
@@ -277,11 +277,11 @@ def exchanged_rows(buffer: torch.Tensor, world_size: int, group_name: str) -> li
         works = []
         for row, (to, source) in zip(received, _peers(rank, world_size)):
             works += [group.send([rows[to]], to, EXCHANGE_ROWS_TAG), group.recv([row], source, EXCHANGE_ROWS_TAG)]
-        _Watched(works, group_name).wait()
+        WatchedWork(works, group_name).wait()
     return [rows[rank] if p == rank else received[(rank - p) % world_size - 1] for p in range(world_size)]
 
 
-class _Watched(dist.Work):
+class WatchedWork(dist.Work):
     """gloo works waited as one, the wait marked as blocked in a collective of
     ``group_name`` (:func:`compshard.comm.liveness.blocked`: a rank waiting to compile a graph
     this rank does not run learns so at once). A wait that fails raises the failure of the

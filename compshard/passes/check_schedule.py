@@ -40,8 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
+from compshard import call_agreement
 from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import COLLECTIVE_KINDS, BucketPlan, MiB, ScheduleError, node_meta
+from compshard.module_tree import module_of
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     aliases,
@@ -186,10 +188,17 @@ def _compare_across_ranks(starts: list[tuple], group_name: str, ctx: PassContext
         index = next((i for i, (a, b) in enumerate(zip(reference, other)) if a != b), min(len(reference), len(other)))
         theirs = other[index] if index < len(other) else "<end of schedule>"
         ours = reference[index] if index < len(reference) else "<end of schedule>"
+        params = [module_of(name) for entry in (ours, theirs) if isinstance(entry, tuple) for name in entry[1]]
+        routed = (
+            " If the data decide which modules run on each rank (experts called for the tokens routed to them), "
+            + call_agreement.gather_units_hint(params)
+            if params and isinstance(ours, tuple) and isinstance(theirs, tuple) and ours[1] != theirs[1]
+            else ""
+        )
         raise ScheduleError(
             f"compshard: the {ctx.graph} schedule differs across ranks at collective #{index}: "
             f"rank 0 has {ours}, rank {other_rank} has {theirs} (kind, params, bytes). "
-            "Every rank must compile the same model with the same options and input shapes."
+            f"Every rank must compile the same model with the same options and input shapes.{routed}"
         )
 
 
