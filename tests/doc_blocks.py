@@ -14,9 +14,10 @@ A block's language says whether it runs:
 
 A fence without a language, or with another one, is an error (tests/test_docs.py).
 
-A block that imports transformers runs after ``tests.real_models``, whose import lets
-transformers load where the installed torchvision's compiled ops do not match torch (as
-the real-model tests do); elsewhere that import changes nothing.
+A block that imports transformers or lightning runs after ``tests.real_models``, whose
+import lets them load where the installed torchvision's compiled ops do not match torch
+(transformers imports torchvision, lightning through torchmetrics; as the real-model and
+integration tests do); elsewhere that import changes nothing.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ RUNS = ("python",)
 SHOWN = ("text", "bash")
 TORCHRUN = re.compile(r"# torchrun --standalone --nproc-per-node (\d+) example\.py")
 JOINS_A_JOB = '"RANK" in os.environ'
+NEEDS_TORCHVISION_FIX = ("transformers", "lightning")  # libraries that import torchvision
 
 
 @dataclass(frozen=True)
@@ -95,7 +97,8 @@ def run(block: Block, folder: pathlib.Path, processes: int = 1) -> subprocess.Co
     """Run ``block`` as ``example.py`` in ``folder``: with python, or torchrun with
     ``processes`` processes."""
     script = folder / "example.py"
-    script.write_text(("import tests.real_models  # noqa: F401\n" if "transformers" in block.code else "") + block.code)
+    fix = any(name in block.code for name in NEEDS_TORCHVISION_FIX)
+    script.write_text(("import tests.real_models  # noqa: F401\n" if fix else "") + block.code)
     launcher = (
         [sys.executable]
         if processes == 1

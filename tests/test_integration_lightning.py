@@ -38,6 +38,7 @@ STEPS = 4
 SAVE_EVERY = 2
 ROWS_PER_RANK = 2
 MAX_GRAD_NORM = 0.5
+MAX_GRAD_VALUE = 1e-3  # below most gradient entries: clipping by value changes every step
 CONFIG = GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32)
 WORLD_SIZE = 2
 
@@ -134,20 +135,24 @@ def _batches(rank: int, world_size: int) -> list[torch.Tensor]:
     return batches
 
 
-def _plain_loop(rank: int, world_size: int, max_grad_norm: float | None) -> dict[str, torch.Tensor]:
+def _plain_loop(rank: int, world_size: int, clip: str | None = "norm") -> dict[str, torch.Tensor]:
+    """The truth: compiled compshard training with clipping by ``clip`` (``None``: none)."""
     model = compshard.shard(gpt())
     opt = torch.optim.AdamW(model.parameters(), **ADAMW)
     step_model = torch.compile(model, backend="compshard")
     for batch in _batches(rank, world_size):
         step_model(batch[:, :-1], batch[:, 1:]).backward()
-        if max_grad_norm is not None:
-            compshard.clip_grad_norm_(model, max_grad_norm)
+        if clip == "norm":
+            compshard.clip_grad_norm_(model, MAX_GRAD_NORM)
+        elif clip == "value":
+            for param in model.parameters():
+                param.grad.to_local().clamp_(-MAX_GRAD_VALUE, MAX_GRAD_VALUE)  # each rank its rows
         opt.step()
         opt.zero_grad()
     return {f"model.{key}": value for key, value in compshard.full_state_dict(model).items()}
 
 
-def _trainer(root: str, compile: bool, recorder: Recorder, save: bool, accumulate: int = 1):
+def _trainer(root: str, compile: bool, recorder: Recorder, save: bool, accumulate: int = 1, clip: str = "norm"):
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from compshard.integrations.lightning import CompshardStrategy
@@ -163,7 +168,8 @@ def _trainer(root: str, compile: bool, recorder: Recorder, save: bool, accumulat
         devices=WORLD_SIZE,
         num_nodes=1,
         max_steps=STEPS,
-        gradient_clip_val=MAX_GRAD_NORM,
+        gradient_clip_val=MAX_GRAD_NORM if clip == "norm" else MAX_GRAD_VALUE,
+        gradient_clip_algorithm=clip,
         accumulate_grad_batches=accumulate,
         logger=False,
         enable_checkpointing=save,
@@ -178,9 +184,17 @@ def _loader(rows_per_batch: int = ROWS_PER_RANK) -> torch.utils.data.DataLoader:
     return torch.utils.data.DataLoader(token_rows(), batch_size=rows_per_batch)
 
 
-def _fit(root: str, compile: bool, resume_from: str | None = None, validate: bool = False, accumulate: int = 1) -> dict:
+def _fit(
+    root: str,
+    compile: bool,
+    resume_from: str | None = None,
+    validate: bool = False,
+    accumulate: int = 1,
+    clip: str = "norm",
+) -> dict:
     module, recorder = TinyGPT(), Recorder()
-    trainer = _trainer(root, compile, recorder, save=resume_from is None and accumulate == 1, accumulate=accumulate)
+    save = resume_from is None and accumulate == 1 and clip == "norm"
+    trainer = _trainer(root, compile, recorder, save, accumulate=accumulate, clip=clip)
     trainer.fit(module, _loader(ROWS_PER_RANK // accumulate), ckpt_path=resume_from)
     result = {
         "params": compshard.full_state_dict(module),
@@ -236,13 +250,15 @@ def lightning_worker(rank: int, world_size: int, root: str) -> dict:
     join_as_torchrun(rank, world_size)
     checkpoints = os.path.join(root, "checkpoints")
     result = {
-        "reference": _plain_loop(rank, world_size, MAX_GRAD_NORM),
+        "reference": _plain_loop(rank, world_size, "norm"),
         "unclipped": _plain_loop(rank, world_size, None),
+        "reference_value_clipped": _plain_loop(rank, world_size, "value"),
         "batches": _batches(rank, world_size),
         "compiled": _fit(checkpoints, compile=True, validate=True),
         "uncompiled": _fit(os.path.join(root, "uncompiled"), compile=False),
         # each step in two micro-batches of one row (compshard.no_sync for the first)
         "accumulated": _fit(os.path.join(root, "accumulated"), compile=False, accumulate=2),
+        "value_clipped": _fit(os.path.join(root, "value_clipped"), compile=False, clip="value"),
     }
     result["checkpoint_files"] = _checkpoint_files(checkpoints)
     result["resumed"] = _fit(
@@ -258,19 +274,20 @@ def runs(tmp_path_factory) -> list[dict]:
     return run_distributed(lightning_worker, WORLD_SIZE, str(tmp_path_factory.mktemp("lightning")), timeout=600)
 
 
-@pytest.mark.parametrize("run", ["compiled", "uncompiled", "resumed", "accumulated"])
+@pytest.mark.parametrize("run", ["compiled", "uncompiled", "resumed", "accumulated", "value_clipped"])
 def test_trained_parameters_match_the_plain_loop(runs, run):
     for rank, result in enumerate(runs):
-        reference = result["reference"]
+        reference = result["reference_value_clipped" if run == "value_clipped" else "reference"]
         errors = {key: relative_error(value, reference[key]) for key, value in result[run]["params"].items()}
         assert errors.keys() == reference.keys()
         worst = max(errors, key=errors.__getitem__)
         assert errors[worst] <= RTOL, f"rank {rank}: {run} '{worst}' differs from the plain loop by {errors[worst]:.2e}"
 
 
-def test_clipping_mattered(runs):
+@pytest.mark.parametrize("clipped", ["reference", "reference_value_clipped"])
+def test_clipping_mattered(runs, clipped):
     """Without clipping the plain loop lands elsewhere: the parity above holds only with it."""
-    reference, unclipped = runs[0]["reference"], runs[0]["unclipped"]
+    reference, unclipped = runs[0][clipped], runs[0]["unclipped"]
     assert max(relative_error(unclipped[key], reference[key]) for key in reference) > 100 * RTOL
 
 
