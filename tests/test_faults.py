@@ -313,7 +313,7 @@ def test_a_checkpoint_overwrite_that_a_rank_dies_in_keeps_the_old_one_whole(tmp_
 def _reads_and_misuse(rank: int, world_size: int) -> dict:
     """Rank 0 alone reads a parameter outside forward (to log its norm) in the middle of
     training; the losses and parameters must be those of a run without the read. Then
-    the misuses: a model compiled and called before shard, and shard of a meta model."""
+    the misuses: a model compiled and called before shard, and offload of a meta model."""
     results = {}
     for read in (False, True):
         model, step_model, batch = _sharded_gpt()
@@ -344,7 +344,7 @@ def _reads_and_misuse(rank: int, world_size: int) -> dict:
     with torch.device("meta"):
         meta_model, _ = make_model("gpt")
     try:
-        compshard.shard(meta_model)
+        compshard.shard(meta_model, offload=True)  # (without offload a meta model is sharded from its shapes)
     except ValueError as error:
         results["meta"] = str(error)
     return results
