@@ -4,14 +4,17 @@ against the same training written as a plain compshard loop.
 One spawn at world size 2 trains a small GPT wrapped in a LightningModule: the plain loop
 (the truth: compshard.shard, AdamW, compshard.clip_grad_norm_, compiled with the compshard
 backend, the batches in the order Lightning's distributed sampler deals them), the Trainer
-with the strategy compiled and uncompiled for four steps with gradient clipping and a
-checkpoint every two steps, and a fresh Trainer resumed from the step-2 checkpoint.
-Checked: every run's trained parameters match the loop's within 1e-5 (and clipping
-mattered: unclipped training lands elsewhere); the resumed run trains only steps 3 and 4,
-on the batches the loop took there; the module stays sharded (each rank holds its 1/N of
-every parameter) and is never wrapped; ``trainer.validate`` gives the plain model's loss;
-each checkpoint is a directory of DCP rows and Lightning's metadata. Without a spawn:
-what the strategy refuses, and that importing compshard does not import Lightning.
+with the strategy compiled and uncompiled for four steps (two epochs) with gradient
+clipping and a checkpoint every two steps, uncompiled with each step in two micro-batches
+(``accumulate_grad_batches``) and with clipping by value, and a fresh Trainer resumed from
+the step-2 checkpoint. Checked: every run's trained parameters match the loop's within
+1e-5 (and clipping mattered: unclipped training lands elsewhere); each step trains on the
+loop's batch, the resumed run on steps 3 and 4 only; accumulation reduces once per step;
+the module stays sharded (each rank holds its 1/N of every parameter) and is never
+wrapped; ``trainer.validate`` gives the plain model's loss; each checkpoint is a directory
+of DCP rows and Lightning's metadata; a module built on the meta device gets the unsharded
+model's initial values. Without a spawn: what the strategy refuses, and that importing
+compshard does not import Lightning.
 """
 
 from __future__ import annotations
