@@ -45,9 +45,24 @@ and reduced once, when the walk has passed the last of them. That is what a comp
 graph does with the uses of its one ``unshard`` of the parameter, so both paths train a
 model whose weights have several uses alike (bitwise, for GPT-2's tied weights in bf16).
 At the end of each backward every gradient it delivered is checked to have reached its
-parameter's ``.grad``; one that did not is an error naming the parameter, never a silent
-``None``. ``backward(create_graph=True)`` through a gather is refused, naming the
+parameter's ``.grad`` (as each reduction lands, not by reading ``.grad`` at the end, which
+a hook may have emptied); one that did not is an error naming the parameter, never a
+silent ``None``. ``backward(create_graph=True)`` through a gather is refused, naming the
 parameter: its reduction is not differentiable.
+
+Hooks on a parameter: autograd never sees a sharded parameter's gradient (a gather's
+backward takes it from a leaf of the gather's own, so that autograd does not run the
+parameter's hooks with no gradient), so compshard runs what autograd would run there.
+Post-accumulate-grad hooks run as each parameter's reduction lands in ``.grad``
+(:func:`accumulate_grad`; uncompiled, when the walk passes the parameter's last gather
+on the stack; compiled, at the end of the backward, where
+``compshard.sharding.move_local_gradients`` delivers the graphs' gradients), once per
+parameter and backward, ``param.grad`` the sharded gradient: optimizer in backward works
+as with FSDP2. A parameter that one step reads both in a compiled graph and in uncompiled
+code gets its hooks once, from the compiled delivery, which comes last. A
+``register_hook`` hook (on the gradient before it is accumulated) cannot run: it is an
+error naming the parameter at its uncompiled gather, before any collective of the step,
+or at the compiled delivery.
 
 Consequence: a parameter that a unit gathers but that no rank uses in a step gets a
 zero gradient, not ``None``: an optimizer with weight decay or momentum still moves it,
@@ -72,7 +87,17 @@ from torch.distributed.tensor import DTensor
 from compshard.comm.ops import ReduceGradArgs, UnshardArgs
 from compshard.torch_compat import constant_lookup
 
-__all__ = ["EagerReductions", "accumulate_grad", "gather", "install_call_scope", "needs_call_scope", "recomputing"]
+__all__ = [
+    "EagerReductions",
+    "accumulate_grad",
+    "add_grad",
+    "check_no_tensor_hooks",
+    "gather",
+    "install_call_scope",
+    "needs_call_scope",
+    "recomputing",
+    "run_post_accumulate_grad_hooks",
+]
 
 
 @dataclass(eq=False)
@@ -91,7 +116,7 @@ class _Reduction:
     total: torch.Tensor | None = None  # the sum of the gradients received so far
     waiting: int = 0  # its gathers the walk has not passed yet
     contributed: bool = False  # a gather was passed with a gradient, or skipped (its zeros)
-    done: bool = False
+    done: bool = False  # reduced, and the reduced rows reached the parameter's .grad
 
     @property
     def fqn(self) -> str:
@@ -205,11 +230,7 @@ class EagerReductions:
         self.stack = kept[::-1]
         self.open = fresh
         received, self.received_now = self.received_now, []
-        lost = {
-            item.reduction.fqn: None
-            for item in received
-            if not item.reduction.done or item.reduction.param.grad is None
-        }
+        lost = {item.reduction.fqn: None for item in received if not item.reduction.done}
         if lost:
             raise RuntimeError(
                 f"compshard: the gradients of parameters {', '.join(map(repr, lost))} reached their "
@@ -234,8 +255,13 @@ class EagerReductions:
         if reduction.contributed:
             self._reduce(reduction)
 
-    @staticmethod
-    def _reduce(reduction: _Reduction) -> None:
+    def _reduce(self, reduction: _Reduction) -> None:
+        """Reduce ``reduction``'s gradient into its parameter's ``.grad``, then run the
+        parameter's post-accumulate-grad hooks: the reduction is the parameter's whole
+        gradient of this backward (its gathers made while it is open share it), unless
+        compiled graphs deliver more of it at the backward's end, which then runs them."""
+        param = reduction.param
+        check_no_tensor_hooks(param, reduction.fqn)
         grad = reduction.total
         if grad is None:  # skipped: its contribution to the sum over ranks is zero
             shape = reduction.reduce_args.full_shape
@@ -243,11 +269,15 @@ class EagerReductions:
         if reduction.sink is not None:  # as the compiled "fold" backward adds it
             grad = grad.to(reduction.sink.dtype) + reduction.sink
         reduction.total = reduction.sink = None
-        reduction.done = True
-        accumulate_grad(reduction.param, reduction.reduce_args._replace(grad=grad).call())
+        add_grad(param, reduction.reduce_args._replace(grad=grad).call())
+        # Delivered: tracked here, not read from .grad at the end of the backward, where a
+        # hook stepping an optimizer (optimizer in backward) may have set it to None.
+        reduction.done = param.grad is not None
+        if reduction.done and not delivered_by_compiled_graphs(param):  # (not done: finish names it)
+            run_post_accumulate_grad_hooks(param)
 
 
-def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
+def add_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
     """Add ``local_grad`` (this rank's rows of a reduced gradient) to ``param.grad``."""
     local_grad = local_grad.to(param.device)
     if isinstance(param, DTensor):  # wrapped with the parameter's spec directly: from_local's autograd Function is slow
@@ -258,8 +288,78 @@ def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
         param.grad += local_grad
 
 
+def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
+    """Deliver this rank's rows of ``param``'s reduced gradient, whole for this backward
+    (or reduction): add them to ``param.grad``, then run the parameter's
+    post-accumulate-grad hooks, as autograd's accumulation would. Compiled graphs'
+    gradients (``compshard.sharding.move_local_gradients``, at the end of the backward)
+    and explicitly reduced accumulations (``compshard.grad_sync``) arrive here."""
+    check_no_tensor_hooks(param, None)
+    add_grad(param, local_grad)
+    run_post_accumulate_grad_hooks(param)
+
+
+def delivered_by_compiled_graphs(param: nn.Parameter) -> bool:
+    """Whether a compiled graph's backward leaves (or has left) a gradient of ``param`` in
+    the running backward, on the local tensor that compiled graphs take: then
+    ``compshard.sharding.move_local_gradients`` delivers it at the end of the backward and
+    runs the hooks, once for both paths' pieces (a parameter read in a compiled graph and
+    in uncompiled code of one step)."""
+    if not isinstance(param, DTensor) or not param._local_tensor.requires_grad:
+        return False
+    local = param._local_tensor
+    if local.grad is not None:  # left by a compiled backward that ran earlier in this one
+        return True
+    try:  # whether the local tensor's AccumulateGrad node is in the running backward's graph
+        return bool(torch._C._will_engine_execute_node(torch.autograd.graph.get_gradient_edge(local).node))
+    except RuntimeError:  # not inside a backward
+        return False
+
+
+def run_post_accumulate_grad_hooks(param: nn.Parameter) -> None:
+    """Run the hooks registered with ``param.register_post_accumulate_grad_hook``, in
+    registration order, in no-grad mode, as autograd does after accumulating ``.grad``
+    (and as FSDP2 does after its reduce-scatter). Autograd never runs them itself for a
+    sharded parameter: its gradient reaches ``.grad`` by assignment."""
+    hooks = param._post_accumulate_grad_hooks
+    if not hooks:
+        return
+    with torch.no_grad():
+        for hook in tuple(hooks.values()):
+            hook(param)
+
+
+def check_no_tensor_hooks(param: nn.Parameter, name: str | None) -> None:
+    """Refuse a hook registered with ``param.register_hook`` (``name``: the parameter's
+    name, looked up when None): autograd never hands a sharded parameter its gradient, so
+    such a hook would silently never run (see the module docstring)."""
+    if not param._backward_hooks:
+        return
+    if name is None:
+        name = _name_of(param)
+    raise RuntimeError(
+        f"compshard: parameter '{name}' has a hook registered with register_hook, which compshard "
+        "cannot run: a sharded parameter's gradient is reduced across ranks and assigned to .grad, "
+        "never passed through autograd's hooks on the parameter. Use "
+        "param.register_post_accumulate_grad_hook(hook): it runs once the reduced gradient is in "
+        "param.grad (the sharded gradient, this rank's rows); remove the register_hook hook"
+    )
+
+
+def _name_of(param: nn.Parameter) -> str:
+    """The name ``shard`` gave the DTensor parameter ``param`` (for an error message)."""
+    from compshard import sharding  # (it imports this module)
+
+    for state in list(sharding._MODELS):
+        name = state.name_of(param)
+        if name is not None:
+            return name
+    return f"<unnamed, shape {tuple(param.shape)}>"
+
+
 class _DeferredGather(torch.autograd.Function):
-    """``unshard`` whose backward hands the full gradient to :class:`EagerReductions`."""
+    """``unshard`` whose backward hands the full gradient to :class:`EagerReductions`
+    (its input: a leaf detached from the parameter, which gets no gradient from autograd)."""
 
     @staticmethod
     def forward(
@@ -296,6 +396,7 @@ def gather(
         args = args._replace(shard=shard.detach())
     if not (communicates and args.grad_sync != "accumulate" and torch.is_grad_enabled() and param.requires_grad):
         return args.call()
+    check_no_tensor_hooks(param, args.param)  # before any collective of this step
     gathered_dtype = args.param_dtype if args.param_dtype is not None else shard.dtype
     call = reductions.open_call if reductions.open_call is not None else []
     sink = None
@@ -310,7 +411,10 @@ def gather(
         call,
         sink,
     )
-    return _DeferredGather.apply(shard, reductions, item, args)
+    # A leaf of its own, not the parameter: autograd would run the parameter's hooks as its
+    # AccumulateGrad node ran (with no gradient, before the reduction); the reduction delivers
+    # the gradient and runs its post-accumulate-grad hooks (EagerReductions._reduce) instead.
+    return _DeferredGather.apply(shard.detach().requires_grad_(), reductions, item, args)
 
 
 @dataclass(frozen=True)

@@ -82,6 +82,14 @@ class GradSync:
         # whose .grad accumulates; None outside compshard.step_gather.gathered_for_step
         self.step_gathered: dict[str, torch.Tensor] | None = None
 
+    def name_of(self, param: nn.Parameter) -> str | None:
+        """The name of ``param`` if it is one of :attr:`routed` (for error messages: a linear
+        search). ``shard`` registers a spec for every parameter and routes every DTensor
+        one in the same order, so the two line up where every parameter is routed."""
+        if len(self.routed) != len(self.specs):
+            return None
+        return next((name for name, routed in zip(self.specs, self.routed) if routed is param), None)
+
     def claim(self, param: str) -> tuple[str, torch.Tensor | None]:
         """``(grad_sync, grad_sink)`` arguments of the parameter's next ``unshard``, claimed
         by that read: with sync on after accumulation, the first read takes the

@@ -108,7 +108,7 @@ def _backward_error(create_graph: bool = False) -> str:
 
 def _lost_gradient_error() -> str:
     """The error of an uncompiled backward whose reduced gradients never reach ``.grad``."""
-    with mock.patch.object(eager_gather, "accumulate_grad", lambda param, local_grad: None):
+    with mock.patch.object(eager_gather, "add_grad", lambda param, local_grad: None):
         return _backward_error()
 
 
