@@ -2,7 +2,8 @@
 README's run in tests/test_readme.py; which fences run: tests/doc_blocks.py), every
 local link and anchor of the README, docs/, the benchmark reports and the changelog
 resolves, and docs/api.md's tables match the functions' signatures and the fields of
-``compshard.CompileOptions``."""
+``compshard.CompileOptions``: names, order, defaults, and the allowed values where the code
+spells them (a ``Literal`` annotation, or a registry: :data:`CHOICES`)."""
 
 from __future__ import annotations
 
@@ -11,11 +12,15 @@ import dataclasses
 import inspect
 import pathlib
 import re
+import typing
 import unicodedata
 
 import pytest
 
 import compshard
+from compshard.pipelining.runner import SCHEDULES
+from compshard.predict.hardware import PRESETS
+from compshard.sharding import STRATEGIES
 from tests.doc_blocks import DOCS, README, ROOT, RUNS, SHOWN, blocks, run, runnable
 
 API = ROOT / "docs" / "api.md"
@@ -135,22 +140,27 @@ FUNCTIONS = {
 REQUIRED = "required"
 
 
-def api_tables() -> dict[str, list[tuple[str, str]]]:
+def api_rows() -> dict[str, list[tuple[str, str, str]]]:
     """docs/api.md's tables by the name in their header (`` `compshard.shard` parameter``):
-    (name, default) per row, backticks removed."""
-    tables: dict[str, list[tuple[str, str]]] = {}
+    (name, default, meaning) per row, backticks removed from the name and the default."""
+    tables: dict[str, list[tuple[str, str, str]]] = {}
     current = None
     for line in API.read_text().split("\n"):
         header = re.fullmatch(r"\| `([\w.]+)` (?:parameter|option) \| default \|.*", line)
         if header:
             current = tables.setdefault(header.group(1), [])
         elif current is not None and line.startswith("|"):
-            cells = [cell.strip().strip("`") for cell in line.strip("|").split("|")]
+            cells = [cell.strip() for cell in line.strip("|").split("|")]
             if not set(cells[0]) <= set("-"):
-                current.append((cells[0], cells[1]))
+                current.append((cells[0].strip("`"), cells[1].strip("`"), "|".join(cells[2:])))
         else:
             current = None
     return tables
+
+
+def api_tables() -> dict[str, list[tuple[str, str]]]:
+    """(name, default) per row of each of docs/api.md's tables."""
+    return {table: [(name, default) for name, default, _ in rows] for table, rows in api_rows().items()}
 
 
 def documented(default: object) -> str:
@@ -200,6 +210,61 @@ def test_api_options_table_matches_compile_options():
         assert same_default(text, field.default), f"option {option}: default is {field.default!r}, docs say {text}"
 
 
+# Allowed values the code keeps outside the annotation (a plain ``str`` there), or in a
+# tuple the function checks against: (table, row) -> the values.
+CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
+    ("compshard.shard", "strategy"): STRATEGIES,
+    ("compshard.pipeline", "schedule"): tuple(SCHEDULES),
+    ("compshard.plan", "hardware"): (*PRESETS, "measured"),
+}
+
+
+def literal_strings(annotation: object) -> tuple[str, ...]:
+    """The strings of every ``Literal`` in ``annotation`` (through unions), in order."""
+    if typing.get_origin(annotation) is typing.Literal:
+        return tuple(arg for arg in typing.get_args(annotation) if isinstance(arg, str))
+    return tuple(value for arg in typing.get_args(annotation) for value in literal_strings(arg))
+
+
+def code_choices() -> dict[tuple[str, str], tuple[str, ...]]:
+    """(table, row) -> the string values the code allows there, for every row that has some."""
+    annotated = {name: typing.get_type_hints(function) for name, function in FUNCTIONS.items()}
+    annotated["compshard.CompileOptions"] = typing.get_type_hints(compshard.CompileOptions)
+    found = {
+        (table, row): literal_strings(annotation)
+        for table, hints in annotated.items()
+        for row, annotation in hints.items()
+        if literal_strings(annotation)
+    }
+    return found | CHOICES
+
+
+def quoted_values(meaning: str) -> list[str]:
+    """The string values a meaning cell writes (`` `"fx"` ``; not lists, dicts or patterns)."""
+    return re.findall(r'`"([^"`]*)"`', meaning)
+
+
+def choice_errors(meaning: str, allowed: tuple[str, ...]) -> list[str]:
+    """What a row's meaning gets wrong about the ``allowed`` values: one it leaves out, or
+    one it lists that the code does not allow."""
+    written = quoted_values(meaning)
+    missing = [f"{value!r} not listed" for value in allowed if value not in written]
+    return missing + [f"{value!r} listed, not allowed" for value in written if value not in allowed]
+
+
+def test_api_tables_list_the_allowed_values():
+    rows = {(table, name): meaning for table, table_rows in api_rows().items() for name, _, meaning in table_rows}
+    choices = code_choices()
+    assert ("compshard.plan", "depth") in choices and ("compshard.CompileOptions", "codegen") in choices
+    for key, allowed in choices.items():
+        assert key in rows, f"{key}: no row in docs/api.md"
+        assert not choice_errors(rows[key], allowed), f"{key}: {choice_errors(rows[key], allowed)}"
+
+
 def test_the_api_checks_can_fail():
     assert not same_default('"fx"', "auto") and not same_default("required", None)
     assert same_default("32", 32.0) and same_default("required", inspect.Parameter.empty)
+    assert choice_errors('`"auto"` or `"exact"`', ("auto", "exact", "extrapolate")) == ["'extrapolate' not listed"]
+    assert choice_errors('`"auto"`, `"bogus"` (`["a", "b"]`)', ("auto",)) == ["'bogus' listed, not allowed"]
+    assert not choice_errors('`"fx"` (Python) or `"auto"`', ("auto", "fx"))
+    assert literal_strings(typing.Literal["a", "b"] | int | None) == ("a", "b")

@@ -398,6 +398,13 @@ def test_bad_arguments_name_the_option(kwargs, message):
         compshard.plan(_meta_gpt(FOUR_BLOCKS), x, y, **kwargs)
 
 
+def test_extrapolating_needs_a_stack_of_four_identical_blocks():
+    config = replace(FOUR_BLOCKS, n_layer=3)
+    x, y = _local_batch(config, 0, 8)
+    with pytest.raises(ValueError, match="depth='extrapolate' needs a ModuleList of at least 4 identical blocks"):
+        compshard.plan(_meta_gpt(config), x, y, world_size=8, depth="extrapolate")
+
+
 def test_plan_with_tensor_parallelism_splits_the_pieces_and_prices_tp_collectives():
     """dp 4 x tp 2 at 8 ranks: the layers the plan covers are split over all 8 ranks, the
     rest over the 4 data-parallel ones, and tensor parallelism's collectives are priced at
