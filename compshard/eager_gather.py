@@ -288,13 +288,14 @@ def add_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
         param.grad += local_grad
 
 
-def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor) -> None:
+def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor, name: str) -> None:
     """Deliver this rank's rows of ``param``'s reduced gradient, whole for this backward
     (or reduction): add them to ``param.grad``, then run the parameter's
     post-accumulate-grad hooks, as autograd's accumulation would. Compiled graphs'
     gradients (``compshard.sharding.move_local_gradients``, at the end of the backward)
-    and explicitly reduced accumulations (``compshard.grad_sync``) arrive here."""
-    check_no_tensor_hooks(param, None)
+    and explicitly reduced accumulations (``compshard.grad_sync``) arrive here; ``name``:
+    the parameter's canonical name."""
+    check_no_tensor_hooks(param, name)
     add_grad(param, local_grad)
     run_post_accumulate_grad_hooks(param)
 
@@ -329,14 +330,12 @@ def run_post_accumulate_grad_hooks(param: nn.Parameter) -> None:
             hook(param)
 
 
-def check_no_tensor_hooks(param: nn.Parameter, name: str | None) -> None:
+def check_no_tensor_hooks(param: nn.Parameter, name: str) -> None:
     """Refuse a hook registered with ``param.register_hook`` (``name``: the parameter's
-    name, looked up when None): autograd never hands a sharded parameter its gradient, so
+    canonical name): autograd never hands a sharded parameter its gradient, so
     such a hook would silently never run (see the module docstring)."""
     if not param._backward_hooks:
         return
-    if name is None:
-        name = _name_of(param)
     raise RuntimeError(
         f"compshard: parameter '{name}' has a hook registered with register_hook, which compshard "
         "cannot run: a sharded parameter's gradient is reduced across ranks and assigned to .grad, "
@@ -344,17 +343,6 @@ def check_no_tensor_hooks(param: nn.Parameter, name: str | None) -> None:
         "param.register_post_accumulate_grad_hook(hook): it runs once the reduced gradient is in "
         "param.grad (the sharded gradient, this rank's rows); remove the register_hook hook"
     )
-
-
-def _name_of(param: nn.Parameter) -> str:
-    """The name ``shard`` gave the DTensor parameter ``param`` (for an error message)."""
-    from compshard import sharding  # (it imports this module)
-
-    for state in list(sharding._MODELS):
-        name = state.name_of(param)
-        if name is not None:
-            return name
-    return f"<unnamed, shape {tuple(param.shape)}>"
 
 
 class _DeferredGather(torch.autograd.Function):

@@ -76,19 +76,11 @@ class GradSync:
         # the DTensor parameters whose local tensors compiled graphs take, in registration order
         # (compshard.sharding.move_local_gradients); held here, not by weak reference: a
         # parameter with a weak reference cannot be swapped by nn.Module._apply (module.to())
-        self.routed: list[nn.Parameter] = []
+        self.routed: dict[str, nn.Parameter] = {}  # by canonical name
         self.sinks: dict[str, torch.Tensor] = {}  # parameter name -> zero-stride full-shape leaf
         # parameter name -> full tensor gathered for the step, which parameter reads return and
         # whose .grad accumulates; None outside compshard.step_gather.gathered_for_step
         self.step_gathered: dict[str, torch.Tensor] | None = None
-
-    def name_of(self, param: nn.Parameter) -> str | None:
-        """The name of ``param`` if it is one of :attr:`routed` (for error messages: a linear
-        search). ``shard`` registers a spec for every parameter and routes every DTensor
-        one in the same order, so the two line up where every parameter is routed."""
-        if len(self.routed) != len(self.specs):
-            return None
-        return next((name for name, routed in zip(self.specs, self.routed) if routed is param), None)
 
     def claim(self, param: str) -> tuple[str, torch.Tensor | None]:
         """``(grad_sync, grad_sink)`` arguments of the parameter's next ``unshard``, claimed
@@ -219,9 +211,9 @@ def _reduce_and_accumulate(bucket: list[_Accumulated], divide_by: int) -> None:
     """Reduce ``bucket`` and add this rank's rows, divided by ``divide_by``, to its
     parameters' ``.grad``. Empties ``bucket``, so that each full gradient is released once
     packed for the collective (it is referenced nowhere else)."""
-    params = [item.param for item in bucket]
-    for param, local_grad in zip(params, _reduce_bucket(bucket, divide_by)):
-        accumulate_grad(param, local_grad)
+    params = [(item.spec.fqn, item.param) for item in bucket]
+    for (name, param), local_grad in zip(params, _reduce_bucket(bucket, divide_by)):
+        accumulate_grad(param, local_grad, name)
 
 
 def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Tensor]:

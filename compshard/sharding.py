@@ -748,7 +748,7 @@ def shard(
                 sharded[id(original)] = (at_rest, spec, layout)
                 grad_sync.specs[spec.fqn] = spec
                 if isinstance(at_rest, DTensor):
-                    grad_sync.routed.append(at_rest)
+                    grad_sync.routed[spec.fqn] = at_rest
                 original._compshard_replaced_by_shard = spec.fqn
             new_param, specs[name], layout = sharded[id(original)]
             sub._parameters[name] = new_param
@@ -963,12 +963,12 @@ def move_local_gradients() -> None:
     """Add the gradient each sharded parameter's local tensor holds to the parameter's
     ``grad`` (as a DTensor), leaving the local tensor's own ``grad`` empty. The backend
     queues it at the end of every backward pass that runs a compiled backward graph."""
-    for param in [param for state in list(_MODELS) for param in state.routed]:
+    for name, param in [routed for state in list(_MODELS) for routed in state.routed.items()]:
         local = _local_tensor(param)
         if local.grad is None:
             continue
         grad, local.grad = local.grad, None
-        eager_gather.accumulate_grad(param, grad)
+        eager_gather.accumulate_grad(param, grad, name)
 
 
 def _shard_param(
