@@ -210,7 +210,7 @@ class CompshardStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]  # (lightning_utilities' decorator)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined, unused-ignore]  # (lightning_utilities' decorator)
 
     # ------------------------------------------------------------------ the model
 
@@ -291,13 +291,13 @@ class CompshardStrategy(ParallelStrategy):
             if own_forward is None:
                 module.__dict__.pop("forward", None)
             else:
-                module.forward = own_forward  # type: ignore[method-assign]
+                module.forward = own_forward  # type: ignore[method-assign, unused-ignore]
 
         def redirected(*step_args: Any, **step_kwargs: Any) -> Any:
             restore()
             return step(*step_args, **step_kwargs)
 
-        module.forward = redirected  # type: ignore[method-assign]
+        module.forward = redirected  # type: ignore[method-assign, unused-ignore]
         try:
             with context:
                 return module(*args, **kwargs)
