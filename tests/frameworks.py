@@ -7,24 +7,29 @@ import os
 
 import torch
 
+from tests.training import RTOL, relative_error
+
 VOCAB, SEQ, ROWS = 64, 16, 16
 
 
 def tiny_llama():
-    """A 2-layer HF Llama, the same initial weights on every call."""
+    """A 2-layer HF Llama (the real-model zoo's decoder size), the same initial weights on every call."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tests.real_models import _decoder_kwargs
+
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=VOCAB,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    return LlamaForCausalLM(config)
+    return LlamaForCausalLM(LlamaConfig(**_decoder_kwargs()))
+
+
+def assert_parameters_match(runs: list[dict], run: str) -> None:
+    """Every rank's parameters after ``run`` (``result[run]["params"]``) are within RTOL of
+    the plain compshard loop's (``result["reference"]``), key for key."""
+    for rank, result in enumerate(runs):
+        errors = {key: relative_error(value, result["reference"][key]) for key, value in result[run]["params"].items()}
+        assert errors.keys() == result["reference"].keys()
+        worst = max(errors, key=errors.__getitem__)
+        assert errors[worst] <= RTOL, f"rank {rank}: {run} '{worst}' differs from the plain loop by {errors[worst]:.2e}"
 
 
 def tokens() -> torch.Tensor:

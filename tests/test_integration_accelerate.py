@@ -27,8 +27,8 @@ from torch.distributed.tensor import Shard
 
 import compshard
 from tests.distributed import run_distributed
-from tests.frameworks import join_as_torchrun, rows_of, shards, tiny_llama, tokens
-from tests.training import RTOL, relative_error
+from tests.frameworks import assert_parameters_match, join_as_torchrun, rows_of, shards, tiny_llama, tokens
+from tests.training import RTOL
 
 STEPS = 4
 SAVE_AFTER = 2
@@ -147,11 +147,7 @@ def runs(request, tmp_path_factory) -> list[dict]:
 
 @pytest.mark.parametrize("run", ["straight", "resumed"])
 def test_trained_parameters_match_the_plain_loop(runs, run):
-    for rank, result in enumerate(runs):
-        errors = {key: relative_error(value, result["reference"][key]) for key, value in result[run]["params"].items()}
-        assert errors.keys() == result["reference"].keys()
-        worst = max(errors, key=errors.__getitem__)
-        assert errors[worst] <= RTOL, f"rank {rank}: {run} '{worst}' differs from the plain loop by {errors[worst]:.2e}"
+    assert_parameters_match(runs, run)
 
 
 def test_gradient_norms_were_clipped_as_in_the_plain_loop(runs):

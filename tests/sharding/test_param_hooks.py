@@ -41,6 +41,22 @@ from tests.training import ADAMW, RTOL, STEPS, local_batch, relative_error, trai
 WORLD_SIZE = 2
 
 
+def _record_hooks(params: dict[str, nn.Parameter]) -> tuple[Counter[str], dict[str, torch.Tensor]]:
+    """Register a post-accumulate-grad hook on each of ``params`` that counts its calls and
+    keeps a copy of the gradient it saw, both by parameter name."""
+    names = {id(p): n for n, p in params.items()}
+    calls: Counter[str] = Counter()
+    seen: dict[str, torch.Tensor] = {}
+
+    def hook(param: nn.Parameter) -> None:
+        calls[names[id(param)]] += 1
+        seen[names[id(param)]] = param.grad.detach().clone()
+
+    for param in params.values():
+        param.register_post_accumulate_grad_hook(hook)
+    return calls, seen
+
+
 def _step_model(model: nn.Module, compiled: bool) -> Callable:
     return torch.compile(model, backend="compshard") if compiled else model
 
@@ -120,16 +136,7 @@ def _split_uses(rank: int, world_size: int) -> dict:
     x = torch.randn(8, 8, generator=torch.Generator().manual_seed(0))
     reference(x).backward()
     params = dict(model.named_parameters())
-    names = {id(p): n for n, p in params.items()}
-    calls: Counter[str] = Counter()
-    seen: dict[str, torch.Tensor] = {}
-
-    def hook(param: nn.Parameter) -> None:
-        calls[names[id(param)]] += 1
-        seen[names[id(param)]] = param.grad.detach().clone()
-
-    for param in params.values():
-        param.register_post_accumulate_grad_hook(hook)
+    calls, seen = _record_hooks(params)
     torch.compile(model, backend="compshard")(*local_batch((x,), rank, world_size)).backward()
     expected = dict(reference.named_parameters())
     return {
@@ -152,16 +159,7 @@ def _no_sync(compiled: bool, rank: int, world_size: int) -> dict:
     sum(reference(*mb) for mb in micro).backward()
     expected = {n: p.grad for n, p in reference.named_parameters()}
     params = dict(model.named_parameters())
-    names = {id(p): n for n, p in params.items()}
-    calls: Counter[str] = Counter()
-    seen: dict[str, torch.Tensor] = {}
-
-    def hook(param: nn.Parameter) -> None:
-        calls[names[id(param)]] += 1
-        seen[names[id(param)]] = param.grad.detach().clone()
-
-    for param in params.values():
-        param.register_post_accumulate_grad_hook(hook)
+    calls, seen = _record_hooks(params)
     step_model = _step_model(model, compiled)
     with compshard.no_sync(model):
         step_model(*local_batch(micro[0], rank, world_size)).backward()
