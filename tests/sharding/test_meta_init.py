@@ -136,7 +136,7 @@ def world2_worker(rank: int, world_size: int) -> dict:
 
 
 def world4_worker(rank: int, world_size: int) -> dict:
-    return {f"gpt-{init}": _case("gpt", init, rank, world_size) for init in INITS}
+    return {f"{name}-{init}": _case(name, init, rank, world_size) for name in ("gpt", "llama") for init in INITS}
 
 
 INITS = ("seeded", "rank0")
@@ -149,7 +149,7 @@ def world2() -> list[dict]:
 
 @pytest.fixture(scope="module")
 def world4() -> list[dict]:
-    return run_distributed(world4_worker, 4)
+    return run_distributed(world4_worker, 4, timeout=600)
 
 
 @pytest.mark.parametrize("init", INITS)
@@ -160,9 +160,10 @@ def test_meta_init_trains_as_eager_world2(world2, name, init, compiled):
 
 
 @pytest.mark.parametrize("init", INITS)
+@pytest.mark.parametrize("name", ["gpt", "llama"])
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "uncompiled"])
-def test_meta_init_trains_as_eager_world4(world4, init, compiled):
-    _check(world4, f"gpt-{init}", compiled)
+def test_meta_init_trains_as_eager_world4(world4, name, init, compiled):
+    _check(world4, f"{name}-{init}", compiled)
 
 
 def _check(ranks: list[dict], key: str, compiled: bool) -> None:
