@@ -45,6 +45,27 @@ def rows_of(data: torch.Tensor, step: int, rank: int, world_size: int, rows_per_
     return data[start : start + rows_per_rank]
 
 
+def plain_loop(
+    rank: int, world_size: int, adamw: dict, *, steps: int, rows_per_rank: int, max_grad_norm: float
+) -> tuple[dict, list[float]]:
+    """The training a framework's run is checked against, written as a plain compshard loop:
+    the tiny Llama sharded, AdamW with ``adamw``, the framework's batches (:func:`rows_of`),
+    gradients clipped by ``compshard.clip_grad_norm_``. Returns the full weights after
+    ``steps`` and each step's gradient norm before clipping."""
+    import compshard
+
+    model = compshard.shard(tiny_llama())
+    opt = torch.optim.AdamW(model.parameters(), **adamw)
+    data, norms = tokens(), []
+    for step in range(steps):
+        rows = rows_of(data, step, rank, world_size, rows_per_rank)
+        model(input_ids=rows, labels=rows).loss.backward()
+        norms.append(compshard.clip_grad_norm_(model, max_grad_norm).item())
+        opt.step()
+        opt.zero_grad()
+    return compshard.full_state_dict(model), norms
+
+
 def join_as_torchrun(rank: int, world_size: int) -> None:
     """Set what torchrun sets for a rank; the frameworks read it (the process group that
     ``tests.distributed.run_distributed`` made is used as it is)."""

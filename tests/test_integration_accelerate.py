@@ -27,7 +27,7 @@ from torch.distributed.tensor import Shard
 
 import compshard
 from tests.distributed import run_distributed
-from tests.frameworks import assert_parameters_match, join_as_torchrun, rows_of, shards, tiny_llama, tokens
+from tests.frameworks import assert_parameters_match, join_as_torchrun, plain_loop, shards, tiny_llama, tokens
 from tests.training import RTOL
 
 STEPS = 4
@@ -35,19 +35,6 @@ SAVE_AFTER = 2
 ROWS_PER_RANK = 2
 MAX_GRAD_NORM = 0.5
 ADAMW = dict(lr=1e-2, betas=(0.9, 0.95), eps=1e-6, weight_decay=0.1)
-
-
-def _plain_loop(rank: int, world_size: int) -> tuple[dict, list[float]]:
-    model = compshard.shard(tiny_llama())
-    opt = torch.optim.AdamW(model.parameters(), **ADAMW)
-    data, norms = tokens(), []
-    for step in range(STEPS):
-        rows = rows_of(data, step, rank, world_size, ROWS_PER_RANK)
-        model(input_ids=rows, labels=rows).loss.backward()
-        norms.append(compshard.clip_grad_norm_(model, MAX_GRAD_NORM).item())
-        opt.step()
-        opt.zero_grad()
-    return compshard.full_state_dict(model), norms
 
 
 def _prepared(compiled: bool):
@@ -111,7 +98,9 @@ def accelerate_worker(rank: int, world_size: int, root: str) -> dict:
     join_as_torchrun(rank, world_size)
     compiled = world_size > 1
     state = os.path.join(root, "state")
-    reference, reference_norms = _plain_loop(rank, world_size)
+    reference, reference_norms = plain_loop(
+        rank, world_size, ADAMW, steps=STEPS, rows_per_rank=ROWS_PER_RANK, max_grad_norm=MAX_GRAD_NORM
+    )
 
     accelerator, model, prepared, opt, loader, same = _prepared(compiled)
     norms, at_save = _steps(accelerator, model, prepared, opt, loader, STEPS, save_to=state)

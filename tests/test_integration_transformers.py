@@ -26,7 +26,7 @@ from torch.distributed.tensor import Shard
 
 import compshard
 from tests.distributed import run_distributed
-from tests.frameworks import assert_parameters_match, join_as_torchrun, rows_of, shards, tiny_llama, tokens
+from tests.frameworks import assert_parameters_match, join_as_torchrun, plain_loop, shards, tiny_llama, tokens
 from tests.training import RTOL
 
 STEPS = 4
@@ -62,19 +62,6 @@ def _arguments(output_dir: str, **overrides):
         seed=0,
     )
     return TrainingArguments(**{**settings, **overrides})
-
-
-def _plain_loop(rank: int, world_size: int) -> tuple[dict, list[float]]:
-    model = compshard.shard(tiny_llama())
-    opt = torch.optim.AdamW(model.parameters(), lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0)
-    data, norms = tokens(), []
-    for step in range(STEPS):
-        rows = rows_of(data, step, rank, world_size, ROWS_PER_RANK)
-        model(input_ids=rows, labels=rows).loss.backward()
-        norms.append(compshard.clip_grad_norm_(model, MAX_GRAD_NORM).item())
-        opt.step()
-        opt.zero_grad()
-    return compshard.full_state_dict(model), norms
 
 
 def _train(root: str, name: str, compiled: bool, resume_from: str | None = None, **arguments) -> dict:
@@ -137,7 +124,14 @@ def trainer_worker(rank: int, world_size: int, root: str) -> dict:
     transformers.logging.set_verbosity_error()
     join_as_torchrun(rank, world_size)
     compiled = world_size > 1
-    reference, reference_norms = _plain_loop(rank, world_size)
+    reference, reference_norms = plain_loop(
+        rank,
+        world_size,
+        dict(lr=LR, betas=BETAS, eps=EPS, weight_decay=0.0),
+        steps=STEPS,
+        rows_per_rank=ROWS_PER_RANK,
+        max_grad_norm=MAX_GRAD_NORM,
+    )
     straight = _train(root, "straight", compiled)
     resumed = _train(root, "resumed", compiled, resume_from=os.path.join(root, "straight", f"checkpoint-{SAVE_EVERY}"))
     result = {"reference": reference, "reference_norms": reference_norms, "straight": straight, "resumed": resumed}
