@@ -144,7 +144,7 @@ def asks_for_graph_work(options: CompileOptions) -> bool:
 def schedules_nothing(gm: fx.GraphModule, options: CompileOptions) -> bool:
     """Whether compshard has nothing to do in the Dynamo graph ``gm``: it reads no sharded
     parameter (no compshard op, so nothing to gather, reduce or free: the model is not
-    sharded, or ``compshard.step_gather.gathered_for_step`` holds its parameters gathered), and
+    sharded, or ``compshard.sharding.gathered_for_step`` holds its parameters gathered), and
     ``options`` ask for no work on its joint graph (``recompute="none"``, no
     ``memory_budget_mb``) and no Inductor codegen.
 

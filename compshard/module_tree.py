@@ -12,10 +12,18 @@ outermost match wins.
 from __future__ import annotations
 
 import fnmatch
+import os
 import re
 from collections.abc import Iterable, Sequence
 
-__all__ = ["module_of", "outermost_match", "repeated_block", "repeated_containers"]
+__all__ = [
+    "common_parent",
+    "gather_units_hint",
+    "module_of",
+    "outermost_match",
+    "repeated_block",
+    "repeated_containers",
+]
 
 
 def module_of(param: str) -> str:
@@ -52,3 +60,25 @@ def repeated_containers(modules: Iterable[str]) -> set[str]:
             prefix = ("." + module)[: match.start()].lstrip(".")
             children.setdefault(prefix, set()).add(match.group(1))
     return {prefix for prefix, numbers in children.items() if len(numbers) >= 2}
+
+
+def gather_units_hint(modules: list[str]) -> str:
+    """What to do when the ranks gathered in different ``modules`` (module paths; one alone
+    where the other ranks were at the end of the forward): name their common parent in
+    ``gather_units``."""
+    parent = common_parent(modules) if len(set(modules)) > 1 else ""
+    where = f"gather_units=[{parent!r}]" if parent else "gather_units=['<a module that contains them>']"
+    return f"Gather the module that every rank calls as one unit: compshard.shard(model, {where})"
+
+
+def common_parent(modules: list[str]) -> str:
+    """The innermost module containing every one of ``modules`` (module paths), short of
+    any of them, and short of a numbered container (a ``ModuleList`` of experts is never
+    called itself): ``""`` for the root."""
+    if not modules:
+        return ""
+    parts = [module.split(".") for module in modules]
+    common = os.path.commonprefix(parts)[: min(len(p) for p in parts) - 1]
+    if common and parts[0][len(common)].isdigit():
+        common = common[:-1]
+    return ".".join(common)

@@ -41,6 +41,7 @@ from compshard import backend
 from compshard.models import GPT, GPTConfig
 from compshard.passes import PIPELINES
 from compshard.passes.fx_utils import unshard_args
+from compshard.sharding.state import has_state, state_of
 from tests.distributed import run_distributed
 
 WORLD_SIZE = 2
@@ -157,10 +158,10 @@ def _traced_forward(rank: int, fast: bool) -> dict:
     torch._dynamo.reset()
     torch.manual_seed(0)
     model = compshard.shard(GPT(GPT_CONFIG))
-    units = [m for m in model.modules() if getattr(m, "_compshard_compiled_reads", None) is not None]
+    units = [m for m in model.modules() if has_state(m) and state_of(m).compiled_reads is not None]
     if not fast:
         for unit in units:
-            unit._compshard_compiled_reads = None
+            state_of(unit).compiled_reads = None
     graphs = []
 
     def capture(gm, example_inputs):
@@ -219,14 +220,14 @@ def test_guards_skip_what_shard_fixed(results):
     for rank_results in results:
         sources = rank_results["guard_sources"]
         fixed_by_shard = (
-            "_compshard_specs",
-            "_compshard_members",
-            "_compshard_compiled_reads",
-            "_compshard_tensor_parallel",
+            "._compshard.specs",
+            "._compshard.members",
+            "._compshard.compiled_reads",
+            "._compshard.tensor_parallel",
         )
         fixed = [s for s in sources if any(attribute in s for attribute in fixed_by_shard)]
         assert not fixed, fixed[:5]
-        grad_sync = {s for s in sources if s.endswith("._compshard_grad_sync")}
+        grad_sync = {s for s in sources if s.endswith("._compshard.grad_sync")}
         # one per block (a gather unit) and per sharded module outside the blocks (wte, wpe, ln_f, lm_head)
         assert len(grad_sync) <= GPT_CONFIG.n_layer + 4, sorted(grad_sync)
 

@@ -29,8 +29,8 @@ import torch
 from torch.distributed.tensor import Shard
 
 import compshard
-from compshard.grad_sync import grad_sync_state
 from compshard.models import GPT, GPTConfig
+from compshard.sharding.grad_sync import grad_sync_state
 from tests.distributed import run_distributed
 from tests.frameworks import join_as_torchrun, shards
 from tests.training import ADAMW, RTOL, relative_error

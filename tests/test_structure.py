@@ -28,15 +28,16 @@ PACKAGE = ROOT / "compshard"
 # The package's layers, lowest first (docs/architecture.md's module map): a module
 # imports nothing of a later layer. Each name is a top-level module or subpackage.
 LAYERS = [
-    {"compile_plan", "options", "torch_compat", "module_tree", "tensor_parallel", "clip", "sharded_init"},
+    {"compile_plan", "options", "torch_compat", "module_tree", "tensor_parallel", "clip"},
     {"sizes", "timeline", "logs"},
     {"kernels"},
     {"comm"},
     {"compile_cache", "cost_model"},
-    {"eager_gather", "grad_sync", "call_agreement"},
+    {"sharding"},
     {"passes"},
-    {"inductor_regions", "sharding", "step_gather", "checkpoint", "backend"},
-    {"predict", "pipelining", "models"},
+    {"inductor_regions", "checkpoint", "backend"},
+    {"inspection", "pipelining", "models"},
+    {"predict"},
     {"integrations"},
 ]
 # The lowest layers, each with the only compshard modules (or packages) outside it that
@@ -53,6 +54,7 @@ TOP_LAYERS = ("compshard.predict", "compshard.pipelining")
 ABOVE_THE_PASSES = {
     "compshard.backend",
     "compshard.sharding",
+    "compshard.inspection",
     "compshard.predict",
     "compshard.pipelining",
     "compshard.checkpoint",

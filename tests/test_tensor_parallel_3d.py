@@ -21,7 +21,7 @@ from torch.distributed.pipelining import PipelineStage, ScheduleGPipe
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
 import compshard
-from compshard.grad_sync import reduce_accumulated_gradients
+from compshard.sharding import reduce_accumulated_gradients
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import full_parameters
 from tests.training import ADAMW, RTOL, relative_error

@@ -20,6 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import compshard
 from compshard.compile_plan import node_meta
 from compshard.passes.fx_utils import op_arg
+from compshard.sharding.grad_sync import grad_sync_state
 from tests.distributed import run_distributed
 from tests.models import MLP, make_model
 from tests.training import ADAMW, RTOL, local_batch, parity, relative_error, train_reference
@@ -221,7 +222,7 @@ def _accumulate(name: str, rank: int, world_size: int, compiled: bool) -> dict:
         "unsynced_reductions": reductions["unsynced"],
         "synced_reductions": reductions["synced"],
         "grads_during_no_sync": grads_during_no_sync,
-        "pending_after_sync": [k for k, s in model._compshard_grad_sync.sinks.items() if s.grad is not None],
+        "pending_after_sync": [k for k, s in grad_sync_state(model).sinks.items() if s.grad is not None],
         "graphs_compiled": len(dynamo_graphs),
         "graph_kinds": sorted(g.kind for graphs in (phases["unsynced"][1], phases["synced"][1]) for g in graphs),
     }
@@ -235,7 +236,7 @@ def _schedule(model, batch, rank: int, world_size: int) -> dict:
     one collective per bucket (no coalescing), so the order of reductions is per bucket."""
     report = compshard.inspect(model, *local_batch(batch, rank, world_size), options={"coalesce": "none"})
     sizes = {
-        (node_meta(node).kind, dist.get_world_size(compshard.comm.ops.resolve_group(op_arg(node, "group_name"))))
+        (node_meta(node).kind, dist.get_world_size(compshard.comm.layout.resolve_group(op_arg(node, "group_name"))))
         for gm in report.graphs.values()
         for node in gm.graph.nodes
         if node_meta(node).kind in ("all_gather", "reduce_scatter", "all_reduce")

@@ -79,9 +79,8 @@ from torch.optim import Optimizer
 
 from compshard import checkpoint
 from compshard.clip import clip_grad_norm_
-from compshard.grad_sync import no_sync
 from compshard.options import CompileOptions
-from compshard.sharding import is_sharded, shard
+from compshard.sharding import is_sharded, no_sync, shard
 
 __all__ = ["CompshardStrategy", "CompshardPrecision", "SHARDED_CHECKPOINT", "METADATA_FILE"]
 

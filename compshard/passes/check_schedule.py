@@ -40,10 +40,9 @@ import torch
 import torch.distributed as dist
 from torch import fx
 
-from compshard import call_agreement
 from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import COLLECTIVE_KINDS, BucketPlan, MiB, ScheduleError, node_meta
-from compshard.module_tree import module_of
+from compshard.module_tree import gather_units_hint, module_of
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     aliases,
@@ -191,7 +190,7 @@ def _compare_across_ranks(starts: list[tuple], group_name: str, ctx: PassContext
         params = [module_of(name) for entry in (ours, theirs) if isinstance(entry, tuple) for name in entry[1]]
         routed = (
             " If the data decide which modules run on each rank (experts called for the tokens routed to them), "
-            + call_agreement.gather_units_hint(params)
+            + gather_units_hint(params)
             if params and isinstance(ours, tuple) and isinstance(theirs, tuple) and ours[1] != theirs[1]
             else ""
         )

@@ -30,7 +30,7 @@ def dedupe_unshard(graph: fx.Graph, ctx: PassContext) -> None:
         if not is_op(node, compshard_ops.unshard, compshard_ops.unshard.default):  # Dynamo records the packet
             continue
         # Not the shard nor the gradient-sync arguments: only a parameter's first read in a
-        # forward folds its accumulated gradient in (see compshard.grad_sync); the merged
+        # forward folds its accumulated gradient in (see compshard.sharding.grad_sync); the merged
         # reads share it.
         args = unshard_args(node)
         key = (

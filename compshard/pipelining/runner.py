@@ -20,7 +20,7 @@ When a sharded stage gathers its parameters is the ``reshard`` option (see
 :data:`RESHARD_MODES`), a choice of memory against communication:
 
 - ``"per_step"`` (the default): the stage's parameters are all-gathered once, on entry to
-  ``step`` (:func:`compshard.step_gather.gathered_for_step`: one all-gather per bucket of
+  ``step`` (:func:`compshard.sharding.gathered_for_step`: one all-gather per bucket of
   at most the compile option ``bucket_mb`` of full parameters, in registration order, the
   same on every rank), every micro-batch's forward and backward reads them (its graphs
   hold no collective), and each is freed as its gradient is taken for the end-of-step
@@ -38,7 +38,7 @@ Gradients of a sharded stage are reduced once per step, not once per micro-batch
 backwards of the ``M`` micro-batches accumulate the full gradient of every parameter
 locally (``per_step``: on the gathered parameters; ``per_microbatch``: with gradient
 sync off, :func:`compshard.no_sync`), and after the schedule
-:func:`compshard.grad_sync.reduce_accumulated_gradients` reduce-scatters the sums once,
+:func:`compshard.sharding.reduce_accumulated_gradients` reduce-scatters the sums once,
 in buckets of consecutive parameters (registration order, the same on every rank of the
 stage's ``dp`` group; at most the compile option ``bucket_mb`` of full gradients each),
 divided by ``M`` as the schedule's mean asks.
@@ -68,11 +68,9 @@ from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGP
 
 from compshard import cost_model
 from compshard.backend import asks_for_graph_work
-from compshard.grad_sync import no_sync, reduce_accumulated_gradients
 from compshard.options import CompileOptions
 from compshard.pipelining.stages import StageSplit, build_stage_module, split_stages, stage_io_meta
-from compshard.sharding import shard
-from compshard.step_gather import gathered_for_step
+from compshard.sharding import gathered_for_step, no_sync, reduce_accumulated_gradients, shard
 from compshard.torch_compat import TORCH_2_13
 
 __all__ = [

@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 import compshard
-from compshard.call_agreement import FORWARD_END, common_parent, gather_units_hint
+from compshard.module_tree import common_parent, gather_units_hint
+from compshard.sharding.call_agreement import FORWARD_END
 from tests.distributed import run_distributed
 from tests.test_preconditions import ExpertMLP, ModuleListMoE
 

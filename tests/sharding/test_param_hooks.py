@@ -2,7 +2,7 @@
 
 A sharded parameter's gradient reaches ``.grad`` by assignment after its reduction, never
 through autograd's accumulation into the parameter, so compshard runs what autograd
-would have run there (:mod:`compshard.eager_gather`):
+would have run there (:mod:`compshard.sharding.eager_reductions`):
 
 - ``register_post_accumulate_grad_hook`` hooks run once the reduced gradient is in
   ``param.grad`` (the sharded DTensor gradient), once per parameter and backward, tied
@@ -186,7 +186,7 @@ def _reduced_explicitly(rank: int, world_size: int) -> dict:
         model(*local_batch(batch, rank, world_size)).backward()
         model(*local_batch(batch, rank, world_size)).backward()
         before = sum(calls.values())
-        compshard.grad_sync.reduce_accumulated_gradients(model)
+        compshard.sharding.reduce_accumulated_gradients(model)
     return {"before": before, "calls": sorted(calls.values()), "params": len(list(model.parameters()))}
 
 

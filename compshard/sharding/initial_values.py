@@ -1,8 +1,10 @@
-"""Random initialization of sharded parameters that equals the unsharded model's.
+"""A sharded model's first values: the first rank's, or its own initialization's, alike on every rank.
 
-A model built on the meta device, sharded, then materialized (``module.to_empty``) is
-initialized by its own code (``reset_parameters()``, ``init_weights()``): in-place random
-ops (``normal_``, ``uniform_``, ...) on the sharded parameters. DTensor runs such an op
+A model built with values is broadcast from the first rank by ``shard``
+(:func:`broadcast_from_first_rank`), as DDP does at construction. A model built on the
+meta device has no values to broadcast: after ``to_empty`` every rank initializes it by
+the model's own code (``reset_parameters()``, ``init_weights()``): in-place random ops
+(``normal_``, ``uniform_``, ...) on the sharded parameters. DTensor runs such an op
 on each rank's local rows; on a CPU mesh (no RNG tracker) every rank then draws the
 *same* values for its rows, so the shards repeat one another: a silently different
 model from the one the same seed gives unsharded. On GPUs DTensor's offset-based tracker
@@ -23,11 +25,14 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 from torch.utils.weak import WeakIdKeyDictionary
 
-__all__ = ["mark_sharded"]
+__all__ = ["broadcast_from_first_rank", "mark_sharded"]
 
 aten = torch.ops.aten
 
@@ -88,3 +93,48 @@ def _install() -> None:
     handlers = DTensor._op_dispatcher._custom_op_handlers
     for op in _RANDOM_FILLS:
         handlers.setdefault(op, _fill_rows)
+
+
+_BROADCAST_BUCKET_BYTES = 256 * 2**20
+
+
+def broadcast_from_first_rank(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Give every rank of ``mesh`` the first rank's parameters and buffers, as DDP does at
+    construction: ranks initialized differently (no common seed) would otherwise each keep
+    rows of their own model. Tensors of a dtype are flattened into buckets of at most
+    256 MiB, one broadcast each, along every mesh dimension in turn. A tensor-parallel
+    DTensor broadcasts its local piece (the ranks of a dp group share its tp coordinate).
+    Tensors on the meta device have no values to broadcast: every rank initializes them
+    after ``to_empty`` (alike, with one seed: see the module docstring)."""
+    tensors = [
+        t._local_tensor if isinstance(t, DTensor) else t
+        for t in {id(t): t for t in [*module.parameters(), *module.buffers()]}.values()
+        if not t.is_meta
+    ]
+    by_kind: dict[tuple, list[torch.Tensor]] = {}
+    for tensor in tensors:
+        by_kind.setdefault((tensor.dtype, tensor.device), []).append(tensor)
+    for dim in range(mesh.ndim):
+        group = mesh.get_group(dim)
+        if dist.get_world_size(group) == 1:
+            continue
+        source = dist.get_global_rank(group, 0)
+        for same_kind in by_kind.values():
+            bucket: list[torch.Tensor] = []
+            pending: list[torch.Tensor | None] = [*same_kind, None]  # None: the end, flush
+            for following in pending:
+                full = following is None or (
+                    sum(t.numel() for t in bucket) * following.element_size() >= _BROADCAST_BUCKET_BYTES
+                )
+                if bucket and full:
+                    flat = torch.cat([t.detach().reshape(-1) for t in bucket])
+                    dist.broadcast(flat, source, group=group)
+                    with torch.no_grad():
+                        for t, piece in zip(bucket, flat.split([t.numel() for t in bucket])):
+                            t.copy_(piece.view_as(t))
+                    bucket = []
+                if following is not None:
+                    bucket.append(following)
+
+
+_STALE_HOOK: list = []  # the one global optimizer pre-step hook, registered on first use

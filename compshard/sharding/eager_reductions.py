@@ -1,32 +1,19 @@
-"""Uncompiled parameter gathering whose collectives do not depend on the data.
+"""Uncompiled gradient reductions whose collectives do not depend on the data.
 
-A sharded module runs uncompiled when it is not compiled at all and wherever a graph
-break sends part of it back to Python. There every read of ``module.<name>`` is a real
-all-gather, and what gets read may depend on the data: transformers' loop over the experts
-a batch routed to reads the 3-D expert weights once per expert hit, and a ``ModuleList``
-of expert modules calls only the experts hit, a different set on each rank. Two rules
-keep every rank issuing the same collectives in the same order whatever the data decide:
-
-- **A unit gathers on entry.** A *gather unit* gathers the parameters it covers on entry
-  to each call, and reads inside the call return those tensors (:func:`install_call_scope`),
-  however often the data read them, or not at all. Each repeated block (``layers.3``,
-  see :mod:`compshard.module_tree`) is a unit covering every parameter beneath it, as
-  FSDP2 gathers per wrapped block, so an expert module one rank skips is gathered on
-  every rank all the same; outside blocks, each module is a unit of its own parameters.
-  The gathered tensors are dropped when the call returns, as FSDP2 reshards after a
-  module's forward.
-- **Gradients reduced in reverse gather order.** The order in which autograd finishes
-  the gradients of gathered parameters follows the shape of the autograd graph, which
-  the routing changes. So uncompiled gathers form a stack in gather order, and only its
-  top is reduce-scattered: a gather's gradient is reduced when every gather after it has
-  been (:class:`EagerReductions`); what is left when the backward ends is reduced then,
-  in the same order. A gather that its call never used (a skipped expert: its autograd
-  node is gone while others of the same call still take part in the backward) is reduced
-  with a zero gradient, its true contribution, so the other ranks' reductions find a
-  partner. When autograd finishes gradients in reverse forward order (the usual case)
-  each is reduced at once; otherwise the price is memory: a full gradient waits for
-  those ahead of it. Compiled graphs reduce inside their backward, as scheduled (an
-  unused gathered output's gradient is zeros there too).
+Uncompiled, what gets gathered may depend on the data (:mod:`compshard.sharding.reads`
+makes the gathers themselves the same on every rank: a gather unit gathers on entry).
+The order in which autograd finishes the gradients of gathered parameters follows the
+shape of the autograd graph, which the routing changes too. So uncompiled gathers form a
+stack in gather order, and only its top is reduce-scattered: a gather's gradient is
+reduced when every gather after it has been (:class:`EagerReductions`, the *walk*); what
+is left when the backward ends is reduced then, in the same order. A gather that its
+call never used (a skipped expert: its autograd node is gone while others of the same
+call still take part in the backward) is reduced with a zero gradient, its true
+contribution, so the other ranks' reductions find a partner. When autograd finishes
+gradients in reverse forward order (the usual case) each is reduced at once; otherwise
+the price is memory: a full gradient waits for those ahead of it. Compiled graphs reduce
+inside their backward, as scheduled (an unused gathered output's gradient is zeros there
+too).
 
 Gathers made while a backward runs go on top of the stack like any other: a reentrant
 checkpoint's recompute or a reversible block's reconstruction gathers the parameters
@@ -56,7 +43,7 @@ parameter's hooks with no gradient), so compshard runs what autograd would run t
 Post-accumulate-grad hooks run as each parameter's reduction lands in ``.grad``
 (:func:`accumulate_grad`; uncompiled, when the walk passes the parameter's last gather
 on the stack; compiled, at the end of the backward, where
-``compshard.sharding.move_local_gradients`` delivers the graphs' gradients), once per
+``compshard.sharding.grad_routing.move_local_gradients`` delivers the graphs' gradients), once per
 parameter and backward, ``param.grad`` the sharded gradient: optimizer in backward works
 as with FSDP2. A parameter that one step reads both in a compiled graph and in uncompiled
 code gets its hooks once, from the compiled delivery, which comes last. A
@@ -74,7 +61,6 @@ as with DDP without ``find_unused_parameters``.
 
 from __future__ import annotations
 
-import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -85,7 +71,6 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from compshard.comm.ops import ReduceGradArgs, UnshardArgs
-from compshard.torch_compat import constant_lookup
 
 __all__ = [
     "EagerReductions",
@@ -93,9 +78,6 @@ __all__ = [
     "add_grad",
     "check_no_tensor_hooks",
     "gather",
-    "install_call_scope",
-    "needs_call_scope",
-    "recomputing",
     "run_post_accumulate_grad_hooks",
 ]
 
@@ -292,8 +274,8 @@ def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor, name: str) ->
     """Deliver this rank's rows of ``param``'s reduced gradient, whole for this backward
     (or reduction): add them to ``param.grad``, then run the parameter's
     post-accumulate-grad hooks, as autograd's accumulation would. Compiled graphs'
-    gradients (``compshard.sharding.move_local_gradients``, at the end of the backward)
-    and explicitly reduced accumulations (``compshard.grad_sync``) arrive here; ``name``:
+    gradients (``compshard.sharding.grad_routing.move_local_gradients``, at the end of the backward)
+    and explicitly reduced accumulations (``compshard.sharding.grad_sync``) arrive here; ``name``:
     the parameter's canonical name."""
     check_no_tensor_hooks(param, name)
     add_grad(param, local_grad)
@@ -303,7 +285,7 @@ def accumulate_grad(param: nn.Parameter, local_grad: torch.Tensor, name: str) ->
 def delivered_by_compiled_graphs(param: nn.Parameter) -> bool:
     """Whether a compiled graph's backward leaves (or has left) a gradient of ``param`` in
     the running backward, on the local tensor that compiled graphs take: then
-    ``compshard.sharding.move_local_gradients`` delivers it at the end of the backward and
+    ``compshard.sharding.grad_routing.move_local_gradients`` delivers it at the end of the backward and
     runs the hooks, once for both paths' pieces (a parameter read in a compiled graph and
     in uncompiled code of one step)."""
     if not isinstance(param, DTensor) or not param._local_tensor.requires_grad:
@@ -403,147 +385,3 @@ def gather(
     # AccumulateGrad node ran (with no gradient, before the reduction); the reduction delivers
     # the gradient and runs its post-accumulate-grad hooks (EagerReductions._reduce) instead.
     return _DeferredGather.apply(shard.detach().requires_grad_(), reductions, item, args)
-
-
-@dataclass(frozen=True)
-class MemberModule:
-    """A module whose parameters a gather unit gathers on entry: ``path``, the child names
-    from the unit to it (so that a compiled trace reaches the module by the same attribute
-    path as the model's own code, and Dynamo guards it once), and ``names``, the
-    ``(attribute name, canonical name)`` of each of its parameters the unit gathers."""
-
-    path: tuple[str, ...]
-    names: tuple[tuple[str, str], ...]
-
-
-GatherMembers = Callable[[nn.Module, tuple[MemberModule, ...]], dict[str, torch.Tensor]]
-
-
-@constant_lookup
-def members_of(unit: nn.Module) -> tuple[MemberModule, ...]:
-    """The modules and parameters ``unit`` gathers on entry to each call, in registration
-    order. Dynamo takes them as a constant (``install_call_scope`` fixes them), guarding
-    only the unit's identity."""
-    members = unit._compshard_members
-    assert isinstance(members, tuple)  # install_call_scope's
-    return members
-
-
-@constant_lookup
-def canonical_name(module: nn.Module, name: str) -> str:
-    """The canonical name of ``module``'s sharded parameter ``name`` (a constant for Dynamo,
-    as :func:`members_of`)."""
-    specs = module._compshard_specs
-    assert isinstance(specs, dict)  # shard's
-    return specs[name].fqn
-
-
-def submodule(unit: nn.Module, path: tuple[str, ...]) -> nn.Module:
-    """The module at ``path`` (child names) beneath ``unit``."""
-    module = unit
-    for child in path:
-        found = module._modules[child]
-        assert found is not None  # install_call_scope found it there
-        module = found
-    return module
-
-
-def _enter_call(gather: GatherMembers, unit: nn.Module, args: Any) -> None:
-    calls = unit._compshard_calls
-    assert isinstance(calls, list)  # install_call_scope's
-    state: Any = unit._compshard_grad_sync  # a compshard.grad_sync.GradSync (install_call_scope's)
-    reductions = None if torch.compiler.is_compiling() else state.eager
-    if reductions is not None:
-        reductions.open_call = []
-    try:
-        gathered = gather(unit, members_of(unit))
-    finally:
-        if reductions is not None:
-            reductions.open_call = None
-    calls.append(gathered)
-
-
-def _exit_call(unit: nn.Module, args: Any, output: Any) -> None:
-    calls = unit._compshard_calls
-    assert isinstance(calls, list)  # install_call_scope's
-    if calls:
-        calls.pop()
-
-
-# torch.nn modules whose forward reads each parameter exactly once, whatever the data:
-# a gather at that read is the gather at call entry, so they need no call scope (and
-# compile faster without its hooks: fewer traced calls and guards per module).
-_READS_EACH_PARAMETER_ONCE = frozenset(
-    cls.forward
-    for cls in (
-        nn.Linear,
-        nn.Bilinear,
-        nn.Embedding,
-        nn.LayerNorm,
-        nn.GroupNorm,
-        nn.RMSNorm,
-        nn.PReLU,
-        nn.Conv1d,
-        nn.Conv2d,
-        nn.Conv3d,
-        nn.ConvTranspose1d,
-        nn.ConvTranspose2d,
-        nn.ConvTranspose3d,
-        nn.BatchNorm1d,
-        nn.BatchNorm2d,
-        nn.BatchNorm3d,
-        nn.InstanceNorm1d,
-        nn.InstanceNorm2d,
-        nn.InstanceNorm3d,
-    )
-)
-
-
-def needs_call_scope(module: nn.Module) -> bool:
-    """Whether ``module``'s reads of its parameters could differ from one gather each at
-    call entry: any module but the torch.nn ones above with their own ``forward``."""
-    return type(module).forward not in _READS_EACH_PARAMETER_ONCE
-
-
-def install_call_scope(unit: nn.Module, members: list[tuple[nn.Module, str]], gather: GatherMembers) -> None:
-    """``unit`` gathers ``members`` (``(module, name)`` pairs, one per distinct parameter, in
-    registration order, each module beneath ``unit``) on entry to each call, with
-    ``gather(unit, members_of(unit))``; reads of them inside the call (:func:`read`) return
-    those tensors, whatever the data decide to read. Compiled, the gathers are traced at
-    the call's entry in whichever graph holds the call, so a graph break inside the unit's
-    code leaves them where they are. ``unit._compshard_grad_sync`` is set (the members')."""
-    paths: dict[int, tuple[str, ...]] = {}
-    for prefix, module in unit.named_modules(remove_duplicate=False):
-        paths.setdefault(id(module), tuple(prefix.split(".")) if prefix else ())
-    grouped: list[tuple[nn.Module, list[tuple[str, str]]]] = []
-    for module, name in members:
-        if not grouped or grouped[-1][0] is not module:
-            grouped.append((module, []))
-        grouped[-1][1].append((name, canonical_name(module, name)))
-        module._compshard_unit = (unit,)  # type: ignore[assignment]  # a tuple: an attribute would register a submodule
-    unit._compshard_calls = []  # type: ignore[assignment]  # any value; stubs: Tensor | Module
-    unit._compshard_members = tuple(  # type: ignore[assignment]  # any value; stubs: Tensor | Module
-        MemberModule(paths[id(module)], tuple(names)) for module, names in grouped
-    )
-    unit._compshard_grad_sync = members[0][0]._compshard_grad_sync
-    unit.register_forward_pre_hook(functools.partial(_enter_call, gather))
-    unit.register_forward_hook(_exit_call, always_call=True)
-
-
-def recomputing() -> bool:
-    """Whether the model's code runs again inside a backward, where autograd records (a
-    reentrant checkpoint's recompute, a reversible block's reconstruction): its reads are
-    forward reads, though no forward hook counts them (the recompute may call a module's
-    ``forward`` function itself, as transformers' checkpointing does)."""
-    return torch.is_grad_enabled() and torch._C._current_graph_task_id() != -1
-
-
-def read(module: nn.Module, name: str, unshard: Callable[[nn.Module, str], torch.Tensor]) -> torch.Tensor:
-    """``module.<name>``: the tensor its unit gathered on entry to the current call, or
-    gathered now (a read outside a call of the unit, e.g. by a module of another unit, or a
-    read of the root's own parameters: ``shard`` gives the root module no call scope, since
-    its hooks would run outside its compiled forward as graphs of their own)."""
-    unit = getattr(module, "_compshard_unit", None)
-    if unit is not None and unit[0]._compshard_calls:
-        return unit[0]._compshard_calls[-1][canonical_name(module, name)]
-    return unshard(module, name)

@@ -22,7 +22,7 @@ When no synced forward follows the accumulation (a pipeline schedule runs the fo
 its last micro-batch before the backwards of earlier ones, so no forward can fold them),
 :func:`reduce_accumulated_gradients` reduces every accumulated gradient once, explicitly,
 in buckets (one collective for many parameters). It also reduces the full gradients
-accumulated on parameters gathered once for the step (:mod:`compshard.step_gather`),
+accumulated on parameters gathered once for the step (:mod:`compshard.sharding.step_gather`),
 where no parameter read runs ``unshard`` at all.
 """
 
@@ -47,8 +47,8 @@ from compshard.comm.ops import (
     sum_over_ranks,
     sum_rows_into_shards,
 )
-from compshard.eager_gather import EagerReductions, accumulate_grad
 from compshard.options import CompileOptions
+from compshard.sharding.eager_reductions import EagerReductions, accumulate_grad
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -66,7 +66,7 @@ DEFAULT_BUCKET_BYTES = int(CompileOptions().bucket_mb * 2**20)  # of full gradie
 class GradSync:
     """Gradient-sync state shared by every sharded submodule of one ``shard`` call.
 
-    ``specs``: parameter name -> its ``compshard.sharding.ParamSpec`` (what a gradient
+    ``specs``: parameter name -> its ``compshard.sharding.spec.ParamSpec`` (what a gradient
     sink is shaped by), registered by ``shard``."""
 
     def __init__(self) -> None:
@@ -74,12 +74,12 @@ class GradSync:
         self.eager = EagerReductions()  # uncompiled gathers awaiting their gradients
         self.specs: dict[str, Any] = {}
         # the DTensor parameters whose local tensors compiled graphs take, in registration order
-        # (compshard.sharding.move_local_gradients); held here, not by weak reference: a
+        # (compshard.sharding.grad_routing.move_local_gradients); held here, not by weak reference: a
         # parameter with a weak reference cannot be swapped by nn.Module._apply (module.to())
         self.routed: dict[str, nn.Parameter] = {}  # by canonical name
         self.sinks: dict[str, torch.Tensor] = {}  # parameter name -> zero-stride full-shape leaf
         # parameter name -> full tensor gathered for the step, which parameter reads return and
-        # whose .grad accumulates; None outside compshard.step_gather.gathered_for_step
+        # whose .grad accumulates; None outside compshard.sharding.gathered_for_step
         self.step_gathered: dict[str, torch.Tensor] | None = None
 
     def claim(self, param: str) -> tuple[str, torch.Tensor | None]:
@@ -103,7 +103,7 @@ class GradSync:
     def take_accumulated(self, name: str) -> torch.Tensor | None:
         """The full gradient of parameter ``name`` accumulated since the last reduction, in
         the reduce dtype, taken out of where it accumulates: the ``.grad`` of its
-        step-gathered tensor (:mod:`compshard.step_gather`), whose storage is then freed
+        step-gathered tensor (:mod:`compshard.sharding.step_gather`), whose storage is then freed
         (taking the gradient ends the parameter's step), else of its gradient sink.
         Zeros when nothing accumulated; ``None`` for a frozen parameter, or one whose
         gradients do not accumulate (sync never turned off, no step gathering)."""
@@ -267,13 +267,16 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
 
 
 def grad_sync_state(module: nn.Module) -> GradSync:
-    state = getattr(module, "_compshard_grad_sync", None)
-    if state is None or not hasattr(module, "_compshard_config"):  # a submodule shares its root's state
+    """The gradient-sync state of ``module``, the module passed to ``compshard.shard``."""
+    # (a submodule shares its root's state, but gradient sync is set on the root)
+    state = module.__dict__.get("_compshard")
+    if state is None or getattr(state, "config", None) is None:
         raise ValueError(
             "compshard: gradient sync is set on the module passed to compshard.shard; "
             f"{type(module).__name__} is not one"
         )
-    return state
+    grad_sync: GradSync = state.grad_sync
+    return grad_sync
 
 
 def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) -> None:

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import os
 
 import torch
 import torch.distributed as dist
 
 from compshard.comm import ops
+from compshard.module_tree import gather_units_hint
 
-__all__ = ["FORWARD_END", "CallMismatchError", "agree", "common_parent", "gather_units_hint"]
+__all__ = ["FORWARD_END", "CallMismatchError", "agree"]
 
 FORWARD_END = "<the end of the forward>"
 
@@ -74,25 +74,3 @@ def _message(reached: list[tuple[str, str]]) -> str:
         "gathering different modules would pair the ranks' collectives wrongly. "
         + gather_units_hint([module for place, module in reached if place != FORWARD_END])
     )
-
-
-def gather_units_hint(modules: list[str]) -> str:
-    """What to do when the ranks gathered in different ``modules`` (module paths; one alone
-    where the other ranks were at the end of the forward): name their common parent in
-    ``gather_units``."""
-    parent = common_parent(modules) if len(set(modules)) > 1 else ""
-    where = f"gather_units=[{parent!r}]" if parent else "gather_units=['<a module that contains them>']"
-    return f"Gather the module that every rank calls as one unit: compshard.shard(model, {where})"
-
-
-def common_parent(modules: list[str]) -> str:
-    """The innermost module containing every one of ``modules`` (module paths), short of
-    any of them, and short of a numbered container (a ``ModuleList`` of experts is never
-    called itself): ``""`` for the root."""
-    if not modules:
-        return ""
-    parts = [module.split(".") for module in modules]
-    common = os.path.commonprefix(parts)[: min(len(p) for p in parts) - 1]
-    if common and parts[0][len(common)].isdigit():
-        common = common[:-1]
-    return ".".join(common)

@@ -6,7 +6,7 @@ returns that parameter's full tensor gathered on entry, instead of gathering it
 (``compshard::unshard``). So the forwards and backwards of any number of micro-batches
 in the block run with no collective at all, and every backward accumulates each
 parameter's *full* gradient into the gathered tensor's ``.grad`` (in the gathered dtype).
-:func:`compshard.grad_sync.reduce_accumulated_gradients`, called inside the block,
+:func:`compshard.sharding.grad_sync.reduce_accumulated_gradients`, called inside the block,
 reduce-scatters those sums once, in buckets, and ends the step: it frees each
 trainable gathered parameter's storage as it takes its gradient, before its bucket's
 reduction allocates, whatever still references the tensor (the autograd graph of a loss
@@ -47,8 +47,8 @@ import torch
 from torch import nn
 
 from compshard.comm.ops import ShardLayout, all_gather_rows, group_rank
-from compshard.grad_sync import DEFAULT_BUCKET_BYTES, consecutive_buckets, grad_sync_state
-from compshard.sharding import ParamSpec
+from compshard.sharding.grad_sync import DEFAULT_BUCKET_BYTES, consecutive_buckets, grad_sync_state
+from compshard.sharding.spec import ParamSpec
 
 __all__ = ["gathered_for_step"]
 
@@ -90,7 +90,7 @@ def gathered_for_step(module: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_B
     state = grad_sync_state(module)
     if state.step_gathered is not None:
         raise RuntimeError(
-            "compshard.step_gather.gathered_for_step: the module's parameters are already gathered for this step"
+            "compshard.sharding.gathered_for_step: the module's parameters are already gathered for this step"
         )
     state.step_gathered = _gather(module, bucket_bytes)
     try:
