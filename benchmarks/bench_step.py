@@ -192,7 +192,7 @@ from torch import nn  # noqa: E402
 from torch.distributed.fsdp import FSDPModule  # noqa: E402
 
 import compshard  # noqa: E402
-from compshard.comm.ops import all_gather_rows, exchange_rows, sum_rows  # noqa: E402
+from compshard.comm.transport import all_gather_rows, exchange_rows, sum_rows  # noqa: E402
 
 COMPUTE_ONLY = "compute-only"
 DDP_BUCKET_BYTES = (1 << 20, 25 << 20)  # DDP's first bucket, then bucket_cap_mb=25

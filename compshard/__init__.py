@@ -19,11 +19,11 @@ from compshard.checkpoint import full_state_dict
 from compshard.clip import clip_grad_norm_
 from compshard.comm import ops  # noqa: F401  (registers the compshard:: custom ops)
 from compshard.compile_plan import ScheduleError
-from compshard.grad_sync import no_sync, set_requires_gradient_sync
+from compshard.inspection import Report, inspect
 from compshard.options import CompileOptions
 from compshard.pipelining import Pipeline, PipelineReport, pipeline
-from compshard.predict import PlanReport, Report, inspect, plan
-from compshard.sharding import ShardingConfig, shard, sharding_config
+from compshard.predict import PlanReport, plan
+from compshard.sharding import ShardingConfig, no_sync, set_requires_gradient_sync, shard, sharding_config
 
 # Installed, the backend is known through its entry point and Dynamo registers it when
 # it is first asked for (even when that is this import); from a bare checkout, here.

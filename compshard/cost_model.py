@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import fx
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from compshard.comm.ops import resolve_group
+from compshard.comm.layout import resolve_group
 from compshard.compile_cache import remembered_costs
 from compshard.sizes import nbytes, size_hint
 

@@ -43,7 +43,7 @@ from typing import Any
 import torch
 from torch import fx
 
-from compshard.comm.ops import direct_call
+from compshard.comm.bucket_ops import direct_call
 from compshard.passes.fx_utils import is_view
 
 __all__ = ["compile_regions", "is_owned"]
@@ -151,7 +151,7 @@ def _compile_region(region: fx.GraphModule, inputs: list[fx.Node], kind: str) ->
 
 def _eager(nodes: list[fx.Node], inputs: list[fx.Node], outputs: list[fx.Node]) -> Callable[[list], list]:
     """Run ``nodes`` one by one, as the fx codegen does (owned nodes, view-only regions);
-    compshard's bucket copies and frees without the dispatcher (``ops.direct_call``)."""
+    compshard's bucket copies and frees without the dispatcher (``bucket_ops.direct_call``)."""
     calls = []
     for node in nodes:
         if node.op != "call_function" or not callable(node.target):

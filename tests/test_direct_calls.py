@@ -1,11 +1,11 @@
-"""Graph runners call compshard's bucket copies and frees directly (ops.direct_call):
+"""Graph runners call compshard's bucket copies and frees directly (bucket_ops.direct_call):
 the same results as through the dispatcher, and the same profiler ranges."""
 
 from __future__ import annotations
 
 import torch
 
-from compshard.comm import ops
+from compshard.comm import bucket_ops
 
 WORLD, SHARD_NUMELS, NUMELS = 2, [3, 4], [5, 8]
 
@@ -32,7 +32,7 @@ def test_direct_calls_equal_the_dispatched_ops():
     ]
     slot = slice(sum(SHARD_NUMELS), 2 * sum(SHARD_NUMELS))  # copy_in packs rank 1's slot; the rest is unwritten
     for op, args in cases:
-        direct = ops.direct_call(op)
+        direct = bucket_ops.direct_call(op)
         assert direct is not op, op
         expected, got = op(*args), direct(*args)
         if op is torch.ops.compshard.all_gather_copy_in.default:
@@ -45,18 +45,18 @@ def test_direct_calls_equal_the_dispatched_ops():
 
 def test_direct_free_releases_the_storage():
     buffer = torch.ones(16)
-    assert ops.direct_call(torch.ops.compshard.free.default)(buffer) is None
+    assert bucket_ops.direct_call(torch.ops.compshard.free.default)(buffer) is None
     assert buffer.untyped_storage().size() == 0
 
 
 def test_other_targets_are_called_as_they_are():
-    assert ops.direct_call(torch.ops.aten.add.Tensor) is torch.ops.aten.add.Tensor
-    assert ops.direct_call(torch.ops.compshard.unshard.default) is torch.ops.compshard.unshard.default
+    assert bucket_ops.direct_call(torch.ops.aten.add.Tensor) is torch.ops.aten.add.Tensor
+    assert bucket_ops.direct_call(torch.ops.compshard.unshard.default) is torch.ops.compshard.unshard.default
 
 
 def test_a_direct_call_records_the_op_name_under_the_profiler():
     gathered = _gathered()
-    copy_out = ops.direct_call(torch.ops.compshard.all_gather_copy_out.default)
+    copy_out = bucket_ops.direct_call(torch.ops.compshard.all_gather_copy_out.default)
     with torch.profiler.profile() as prof:
         copy_out(gathered, SHARD_NUMELS, NUMELS, WORLD, [2])
     assert "compshard::all_gather_copy_out" in {event.name for event in prof.events()}

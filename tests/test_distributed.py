@@ -17,7 +17,8 @@ from torch.distributed.tensor import DTensor
 
 import compshard
 from compshard import cost_model
-from compshard.comm import ops
+from compshard.comm import transport
+from compshard.comm.layout import ShardLayout
 from compshard.compile_plan import COLLECTIVE_KINDS, NodeMeta, node_meta
 from compshard.passes.fx_utils import aliases, gathered_buffers
 from tests.allocations import allocations, peak_rise
@@ -34,7 +35,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _padded_numel(t: torch.Tensor, world_size: int) -> int:
-    return t.numel() if t.dim() == 0 else ops.ShardLayout(tuple(t.shape), world_size, 0).padded_shard_numel
+    return t.numel() if t.dim() == 0 else ShardLayout(tuple(t.shape), world_size, 0).padded_shard_numel
 
 
 def _state_bytes(model, opt, world_size: int) -> tuple[int, int]:
@@ -351,16 +352,16 @@ def schedule_worker(rank: int, world_size: int) -> dict:
         torch.ops._c10d_functional.all_gather_into_tensor(buffer[:1000], world_size, group)
     )
     results["gather_rows_equal_all_gather"] = torch.equal(
-        ops.all_gather_rows(rows.view(-1), world_size, group), expected_rows
+        transport.all_gather_rows(rows.view(-1), world_size, group), expected_rows
     )
-    summed = ops.reduce_scatter_sum(buffer.clone(), world_size, group)
+    summed = transport.reduce_scatter_sum(buffer.clone(), world_size, group)
     results["exchange_equals_reduce_scatter"] = torch.equal(
         summed,
         torch.ops._c10d_functional.wait_tensor(
             torch.ops._c10d_functional.reduce_scatter_tensor(buffer, "sum", world_size, group)
         ),
     )
-    received = ops.exchange_rows(buffer.clone(), world_size, group)
+    received = transport.exchange_rows(buffer.clone(), world_size, group)
     results["exchange_equals_all_to_all"] = torch.equal(
         received,
         torch.ops._c10d_functional.wait_tensor(

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 import compshard.kernels as K
-from compshard.comm.ops import ShardLayout
+from compshard.comm.layout import ShardLayout
 from compshard.kernels import _triton_launch
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -221,7 +221,7 @@ EXTRA = [0, 0, 3, 0, 0, 1, 0]
 
 @pytest.mark.parametrize("world_size", [1, 2, 4])
 def test_shard_layout_is_torch_chunk_along_dim_0(world_size):
-    """compshard's shard layout (the kernels' contract, ``ops.ShardLayout``) is DTensor
+    """compshard's shard layout (the kernels' contract, ``layout.ShardLayout``) is DTensor
     ``Shard(0)``: rank r holds ``torch.chunk(full, world_size)[r]`` (nothing past the last
     chunk), padded to ``ceil(dim0 / world_size)`` rows."""
     for shape in [(1,), (3,), (7, 2), (130,), (5, 3, 2), (600,)]:

@@ -23,8 +23,8 @@ import torch
 from torch import nn
 
 import compshard
-from compshard import eager_gather
-from compshard.comm.ops import UnshardArgs
+from compshard.comm.op_spec import UnshardArgs
+from compshard.sharding import eager_reductions
 from tests.distributed import run_distributed
 from tests.real_models import BATCH, ZOO, RealModel, _generator
 from tests.test_real_models import (
@@ -83,14 +83,14 @@ GATHERED_IN_BACKWARD = {
 def _gathered_in_backward(model: nn.Module, batch: tuple[torch.Tensor, ...]) -> list[str]:
     """Names of the parameters one uncompiled step of ``model`` gathers while a backward runs."""
     names: set[str] = set()
-    gather = eager_gather.gather
+    gather = eager_reductions.gather
 
     def recording(param, shard, unshard_args, *args):
         if torch._C._current_graph_task_id() != -1:
             names.add(UnshardArgs.of(shard, *unshard_args).param)
         return gather(param, shard, unshard_args, *args)
 
-    with mock.patch.object(eager_gather, "gather", recording):
+    with mock.patch.object(eager_reductions, "gather", recording):
         model(*batch).backward()
     return sorted(names)
 
@@ -108,7 +108,7 @@ def _backward_error(create_graph: bool = False) -> str:
 
 def _lost_gradient_error() -> str:
     """The error of an uncompiled backward whose reduced gradients never reach ``.grad``."""
-    with mock.patch.object(eager_gather, "add_grad", lambda param, local_grad: None):
+    with mock.patch.object(eager_reductions, "add_grad", lambda param, local_grad: None):
         return _backward_error()
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import pytest
 import torch
 
-from compshard.comm.ops import ReduceGradArgs, UnshardArgs
+from compshard.comm.op_spec import ReduceGradArgs, UnshardArgs
 from compshard.sharding import ParamSpec
 
 UNSHARD = UnshardArgs(None, [6, 4], 2, "7", "h.0.mlp.weight", torch.bfloat16, torch.float32, False, "3", "fold", None)

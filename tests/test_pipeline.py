@@ -24,12 +24,12 @@ from torch.distributed.tensor import DTensor
 
 import compshard
 from compshard.backend import record_compiles
-from compshard.grad_sync import grad_sync_state, reduce_accumulated_gradients
 from compshard.models import GPT, GPTConfig
 from compshard.options import CompileOptions
 from compshard.pipelining.runner import bubble_fraction, compiles_stage
 from compshard.pipelining.stages import build_stage_module, split_stages
-from compshard.step_gather import gathered_for_step
+from compshard.sharding import gathered_for_step, reduce_accumulated_gradients
+from compshard.sharding.grad_sync import grad_sync_state
 from tests.distributed import run_distributed
 from tests.models import make_model
 from tests.training import ADAMW, RTOL, STEPS, local_batch, relative_error, train_reference
@@ -179,10 +179,10 @@ PIPELINE_ADAMW = {**ADAMW, "eps": 1e-4}
 
 # The collectives a step issues, at the functional-collective level: uncompiled compshard
 # ops, a compiled graph's lowered collectives and the step's gathering all go through them.
-# On gloo a reduce-scatter is an all-to-all and a local sum (ops.reduce_scatters_by_exchange):
+# On gloo a reduce-scatter is an all-to-all and a local sum (transport.Transport.reduce_scatters_by_exchange):
 # compshard::exchange_rows_ in place, or (eager, without shared memory) the sends and receives
-# of ops.exchanged_rows (its profiler range); an all-gather is compshard::gather_rows_
-# (ops.all_gathers_by_send_recv). Nothing else in a step exchanges or gathers rows.
+# of transport.exchanged_rows (its profiler range); an all-gather is compshard::gather_rows_
+# (transport.Transport.all_gathers_by_send_recv). Nothing else in a step exchanges or gathers rows.
 COLLECTIVES = {
     "all_gathers": (
         "_c10d_functional::all_gather_into_tensor",

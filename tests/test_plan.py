@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import pathlib
 import subprocess
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -16,8 +17,10 @@ import compshard
 from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
 from compshard.cost_model import Costs
 from compshard.models import GPT, GPTConfig
+from compshard.options import CompileOptions
 from compshard.predict import hardware
 from compshard.predict.hardware import Measured
+from compshard.predict.plan_report import ShardKeywords
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import gpt_plan
 
@@ -161,7 +164,7 @@ def test_plan_counts_the_scratch_gloo_holds_for_collectives_in_flight():
         (on_nccl, {"reduce_scatter": "reduce_scatter_tensor", "all_gather": "all_gather_into_tensor_out"}),
     ):
         for kind, op in ops.items():
-            assert {c["op"] for c in report.schedule.collectives if c["kind"] == kind} == {op}, kind
+            assert {c.op for c in report.schedule.collectives if c.kind == kind} == {op}, kind
 
 
 def test_measured_plan_scales_each_graphs_op_timings_to_its_run_end_to_end(monkeypatch):
@@ -346,8 +349,8 @@ def test_plan_holds_rank0_shards_optimizer_state_and_a_consistent_step(plans):
         assert step.total == pytest.approx(step.forward + step.backward + step.optimizer + step.outside_graphs)
         assert step.compute + step.exposed_communication == pytest.approx(step.forward + step.backward)
         assert report.tokens_per_second == pytest.approx(16 * x.numel() / step.total)
-    kinds = {c["kind"] for c in hybrid.schedule.collectives}
-    assert "all_reduce" in kinds and "all_reduce" not in {c["kind"] for c in full.schedule.collectives}
+    kinds = {c.kind for c in hybrid.schedule.collectives}
+    assert "all_reduce" in kinds and "all_reduce" not in {c.kind for c in full.schedule.collectives}
 
 
 def test_plan_extended_from_three_and_four_blocks_matches_the_exact_plan():
@@ -361,9 +364,22 @@ def test_plan_extended_from_three_and_four_blocks_matches_the_exact_plan():
         assert getattr(extrapolated.step, name) == pytest.approx(getattr(exact.step, name), rel=0.01), name
 
 
+def test_plan_reports_the_sharding_keywords_with_shards_defaults(plans):
+    """``report.sharding`` holds every keyword ``shard`` was called with: those given,
+    and ``shard``'s own defaults for the rest."""
+    _, _, full, hybrid = plans
+    assert (full.sharding.strategy, hybrid.sharding.strategy) == ("full_shard", "hybrid_shard")
+    defaults = {
+        name: parameter.default
+        for name, parameter in inspect.signature(compshard.shard).parameters.items()
+        if name in {f.name for f in fields(ShardKeywords)}
+    }
+    assert ShardKeywords().as_kwargs() == defaults
+
+
 def test_budget_recommends_the_fastest_fitting_candidate(plans):
     report = plans[2]
-    assert [c.options for c in report.candidates] == [{**UNJOINED, "recompute": "full"}]
+    assert [c.options for c in report.candidates] == [CompileOptions.from_dict({**UNJOINED, "recompute": "full"})]
     fitting = [c for c in report.candidates if c.memory.peak <= 2**30]
     assert report.recommended is min(fitting, key=lambda c: c.step.total)
     assert "fastest fitting" in str(report)
@@ -418,8 +434,8 @@ def test_plan_with_tensor_parallelism_splits_the_pieces_and_prices_tp_collective
     assert total / 8 <= report.memory.parameters < total / 4
     assert report.memory.optimizer_state == 2 * report.memory.parameters
     assert report.tokens_per_rank == x.numel() // 2
-    rows = [row for row in report.schedule.rows() if row["kind"] == "tp collective"]
-    assert rows and all(row["seconds"] > 0 for row in rows)
-    assert report.step.tensor_parallel == pytest.approx(sum(row["seconds"] for row in rows))
+    rows = [row for row in report.schedule.rows() if row.kind == "tp collective"]
+    assert rows and all(row.seconds > 0 for row in rows)
+    assert report.step.tensor_parallel == pytest.approx(sum(row.seconds for row in rows))
     assert 0 < report.step.compute < report.step.total - report.step.tensor_parallel
     assert "x tp 2" in str(report) and "tensor-parallel collectives" in str(report)

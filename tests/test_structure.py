@@ -13,6 +13,8 @@
   (``compshard.pipelining``) are imported by nothing but ``compshard`` itself.
 - Every module lies in one of ``LAYERS`` and imports nothing of a later one.
 - Private modules (a name part starting with ``_``) need no ``__all__``.
+- No module is longer than ``MAX_FILE_LINES`` and no function (decorators and docstring
+  included) longer than ``MAX_FUNCTION_LINES``: a room a reader can hold in their head.
 """
 
 from __future__ import annotations
@@ -62,6 +64,9 @@ ABOVE_THE_PASSES = {
     "compshard.tensor_parallel",
     "compshard.clip",
 }
+# The most lines a library module, and one function in it, may have.
+MAX_FILE_LINES = 600
+MAX_FUNCTION_LINES = 100
 
 
 def _module_name(path: pathlib.Path) -> str:
@@ -183,3 +188,19 @@ def test_lower_layers_import_nothing_above_them():
                 if m == "compshard" or any(_within(m, above) for above in ABOVE_THE_PASSES)
             ]
     assert not upward, "imports of a higher layer:\n" + "\n".join(sorted(upward))
+
+
+def test_no_module_or_function_is_too_long():
+    too_long = []
+    for module, path in MODULES.items():
+        source = path.read_text()
+        if (lines := source.count("\n")) > MAX_FILE_LINES:
+            too_long.append(f"{module}: {lines} lines")
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                start = min([node.lineno, *(d.lineno for d in node.decorator_list)])
+                if (length := node.end_lineno - start + 1) > MAX_FUNCTION_LINES:
+                    too_long.append(f"{module}.{node.name}: {length} lines")
+    assert not too_long, f"longer than {MAX_FILE_LINES} lines a module, {MAX_FUNCTION_LINES} a function:\n" + "\n".join(
+        too_long
+    )

@@ -37,9 +37,9 @@ from torch.distributed.tensor.parallel import (
 import compshard
 from compshard.backend import record_compiles
 from compshard.compile_plan import COLLECTIVE_KINDS, node_meta
+from compshard.inspection import Report
 from compshard.models import tensor_parallel_plan as gpt_plan
 from compshard.passes.fx_utils import c10d, is_op, op_arg, program_collective
-from compshard.predict.inspection import Report
 from tests.distributed import run_distributed
 from tests.models import make_model
 from tests.real_models import build_llama

@@ -27,7 +27,7 @@ import time
 import torch.distributed as dist
 
 from compshard.comm import liveness
-from compshard.comm.ops import resolve_group
+from compshard.comm.layout import resolve_group
 from compshard.compile_plan import ScheduleError
 
 __all__ = ["STORE_TIMEOUT", "exchange_across_ranks", "raise_if_a_rank_stopped"]

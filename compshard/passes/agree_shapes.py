@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from compshard.comm.ops import resolve_group
+from compshard.comm.layout import resolve_group
 from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import set_node_meta
 from compshard.cost_model import costs_for, node_seconds

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from compshard.comm.ops import ShardLayout
+from compshard.comm.layout import ShardLayout
 from compshard.compile_plan import Bucket, BucketPlan, MiB
 from compshard.module_tree import module_of, outermost_match, repeated_block, repeated_containers
 from compshard.passes.context import PassContext

@@ -45,7 +45,7 @@ from dataclasses import dataclass, field
 import torch.distributed as dist
 from torch import fx
 
-from compshard.comm.ops import group_size
+from compshard.comm.layout import group_size
 from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, MiB, node_meta
 from compshard.passes.context import PassContext

@@ -19,7 +19,7 @@ import torch
 from torch import fx
 from torch._subclasses.fake_tensor import FakeTensor
 
-from compshard.comm.ops import ReduceGradArgs, UnshardArgs
+from compshard.comm.op_spec import ReduceGradArgs, UnshardArgs
 from compshard.compile_plan import (
     COLLECTIVE_KINDS,
     META_KEY,

@@ -11,7 +11,8 @@ from typing import Any
 
 from torch import fx
 
-from compshard.comm.ops import ShardLayout, all_gathers_by_send_recv, resolve_group
+from compshard.comm.layout import ShardLayout, resolve_group
+from compshard.comm.transport import transport_for
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta, ScheduledKind
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
@@ -93,7 +94,7 @@ def _lower_gather(
             ([a.shard for a in member_args], shard_numels, dtype, world_size, rank),
             meta("pack", names, gathered_bytes),
         )
-        if all_gathers_by_send_recv(group_name, members[0].meta["val"].device):
+        if transport_for(group_name, members[0].meta["val"].device).all_gathers_by_send_recv:
             start = add(
                 compshard_ops.gather_rows_.default,
                 (buffer, world_size, group_name),

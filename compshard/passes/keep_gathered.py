@@ -40,7 +40,7 @@ from dataclasses import dataclass, replace
 import torch.distributed as dist
 from torch import fx
 
-from compshard.comm.ops import resolve_group
+from compshard.comm.layout import resolve_group
 from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import BucketPlan, MemoryBudget, MiB
 from compshard.cost_model import collective_seconds, costs_for

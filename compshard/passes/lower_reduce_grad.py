@@ -8,8 +8,8 @@ After, per collective of the coalescing, as soon as the last of its gradients ex
 world size, zero-pad into the rank-major buffer) and the ``reduce_scatter_tensor`` start
 (sum; on gloo an all-to-all of the buffer in place, ``compshard::exchange_rows_``,
 whose received rows the unpack sums as it unpacks, or a sum node first where an
-all-reduce across replicas follows: see ``ops.reduce_scatters_by_exchange`` and
-``ops.sum_rows``); just before the first use of
+all-reduce across replicas follows: see ``comm.transport.Transport`` and
+``comm.transport.sum_rows``); just before the first use of
 any member's result that computes with it (for gradients that only leave the graph,
 through views or not: the end of the graph; the deferral pass may pull it earlier to
 bound the bytes in flight): the ``wait_tensor`` and ``unpack`` nodes

@@ -9,7 +9,7 @@ first member's place: a ``pack`` node
 (``compshard::all_gather_copy_in``: the gather's output buffer with this rank's slot
 holding its shards flattened, cast, zero-padded and concatenated) and the in-place start
 (the view of that slot and ``all_gather_into_tensor_out``; on gloo
-``compshard::gather_rows_``, see ``ops.all_gathers_by_send_recv``); just before the
+``compshard::gather_rows_``, see ``comm.transport.Transport``); just before the
 first use of any member: the ``wait_tensor`` and ``unpack`` nodes
 (``compshard::all_gather_copy_out`` into one flat tensor per bucket holding its
 parameters back to back, then a slice and view per parameter). The gathered buffer and

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from torch import fx
 
-from compshard.comm.ops import backend_name
+from compshard.comm.transport import transport_for
 from compshard.passes.fx_utils import (
     c10d,
     compshard_ops,
@@ -89,10 +89,10 @@ def backend_scratch_bytes(start: fx.Node) -> int:
     gloo (torch 2.13): an all-gather receives into two temporaries of its output's size,
     then copies them into the output; a reduce-scatter reduces a copy of its input; an
     all-reduce allocates nothing beyond its output. The in-place all-to-all of a
-    reduce-scatter run as an exchange (``ops.reduce_scatters_by_exchange``, gloo only)
+    reduce-scatter run as an exchange (``Transport.reduce_scatters_by_exchange``, gloo only)
     receives into a temporary of its buffer's size. None counted for the
     sends and receives that run compshard's all-gathers on gloo
-    (``ops.all_gathers_by_send_recv``), nor for other backends (NCCL writes the output
+    (``Transport.all_gathers_by_send_recv``), nor for other backends (NCCL writes the output
     in place)."""
     kind = scheduled_kind(start)
     if kind not in ("all_gather", "reduce_scatter"):
@@ -101,7 +101,7 @@ def backend_scratch_bytes(start: fx.Node) -> int:
         return nbytes(start.meta["val"])
     if is_op(start, compshard_ops.gather_rows_.default):  # an all-gather run as sends and receives, in place
         return 0
-    if backend_name(op_arg(start, "group_name"), start.meta["val"].device) != "gloo":
+    if not transport_for(op_arg(start, "group_name"), start.meta["val"].device).backend_scratch:
         return 0
     return 2 * nbytes(start.meta["val"]) if kind == "all_gather" else nbytes(op_arg(start, "input").meta["val"])
 

@@ -14,7 +14,8 @@ from typing import Any
 import torch
 from torch import fx
 
-from compshard.comm.ops import ShardLayout, group_size, reduce_scatters_by_exchange
+from compshard.comm.layout import ShardLayout, group_size
+from compshard.comm.transport import transport_for
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, NodeMeta, ScheduledKind
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
@@ -117,7 +118,7 @@ def _lower_collective(
     shard_numels = [ShardLayout(tuple(a.full_shape), world_size, rank=0).padded_shard_numel for a in member_args]
     locals_ = [m.meta["val"] for m in members]
     nbytes = world_size * sum(shard_numels) * dtype.itemsize
-    exchange = world_size > 1 and reduce_scatters_by_exchange(group_name, first.grad.meta["val"].device)
+    exchange = world_size > 1 and transport_for(group_name, first.grad.meta["val"].device).reduce_scatters_by_exchange
     reduced_label = label if replicas == 1 else f"{label}.replicas"  # the collective whose result is unpacked
 
     def meta(kind: ScheduledKind, params: list[str], size: int, collective: str = label) -> NodeMeta:
@@ -169,7 +170,7 @@ def _lower_collective(
             rows_view = add(aten.view.default, (reduced, [world_size, sum(shard_numels)]), meta("unpack", names, 0))
             waited.append(rows_view)
             reduced = rows_view
-            if replicas > 1:  # the all-reduce across replicas takes the sum (ops.sum_rows' arithmetic)
+            if replicas > 1:  # the all-reduce across replicas takes the sum (transport.sum_rows' arithmetic)
                 if world_size == 2:
                     rows = [add(aten.select.int, (rows_view, 0, row), meta("unpack", names, 0)) for row in (0, 1)]
                     reduced = add(aten.add.Tensor, tuple(rows), meta("unpack", names, shard_bytes))

@@ -1,24 +1,43 @@
-"""Prediction: what a configuration will cost, read from the schedule the backend chooses.
+"""Prediction: what a configuration will cost at N ranks, read from the schedule the
+backend chooses for a fake copy of the model.
 
-- :mod:`~compshard.predict.inspection`: ``compshard.inspect`` compiles a module in this
-  process and returns a :class:`Report` of every graph's schedule, with its estimated
-  memory and time.
-- :mod:`~compshard.predict.prediction`: ``compshard.plan`` predicts one training step at
-  N ranks on given hardware (a :class:`PlanReport`), from one process: it inspects a fake
-  copy of the model sharded over a fake process group.
+- :mod:`~compshard.predict.planning`: ``compshard.plan``, its arguments, the
+  configurations it plans and where (this process, a subprocess, rank 0).
+- :mod:`~compshard.predict.plan_report`: what it returns, a :class:`PlanReport` with its
+  memory and step-time estimates and the sharding keywords planned with.
+- :mod:`~compshard.predict.fake_world`: the fake copies of the model and the fake process
+  group of N ranks they are sharded in.
+- :mod:`~compshard.predict.estimates`: the adapter to the backend: compile a fake copy
+  with ``compshard.inspect`` and read the schedule's estimates.
+- :mod:`~compshard.predict.peak_memory`: memory at a graph's peak, by what holds it.
+- :mod:`~compshard.predict.pricing`: step time beyond the passes' estimates (timings,
+  tensor parallelism's collectives, the optimizer, the longest waits).
+- :mod:`~compshard.predict.depth`: deep models planned from shallower copies.
 - :mod:`~compshard.predict.hardware`: the hardware a prediction is made for (presets, or
   this machine measured).
 
-This layer sits above the backend and the sharding (it compiles through them) and
-nothing below it imports it; the estimates it reads (the cost model, the memory model,
-the timeline) live below, where the passes use them too.
+This layer sits above the backend, the sharding and the inspection (it compiles through
+them) and nothing but ``compshard`` imports it; the estimates it reads (the cost model,
+the memory model, the timeline) live below, where the passes use them too.
+``Report`` and ``inspect`` are :mod:`compshard.inspection`'s, named here too.
 """
 
 from __future__ import annotations
 
+from compshard.inspection import Report, inspect
 from compshard.predict import hardware
 from compshard.predict.hardware import Hardware
-from compshard.predict.inspection import Report, inspect
-from compshard.predict.prediction import PlanReport, plan
+from compshard.predict.plan_report import MemoryEstimate, PlanReport, ShardKeywords, StepEstimate
+from compshard.predict.planning import plan
 
-__all__ = ["Hardware", "PlanReport", "Report", "hardware", "inspect", "plan"]
+__all__ = [
+    "Hardware",
+    "MemoryEstimate",
+    "PlanReport",
+    "Report",
+    "ShardKeywords",
+    "StepEstimate",
+    "hardware",
+    "inspect",
+    "plan",
+]

@@ -32,7 +32,8 @@ from torch.distributed.tensor import DTensor, Replicate
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from compshard import cost_model, tensor_parallel
-from compshard.comm import liveness, ops
+from compshard.comm import liveness
+from compshard.comm.layout import group_size
 from compshard.sharding.arguments import Groups, Resolved, resolve
 from compshard.sharding.conversions import install_sharded_class
 from compshard.sharding.grad_routing import local_tensor, register_model, route_local_gradients
@@ -176,7 +177,7 @@ def _calibrate(resolved: Resolved) -> None:
     """Calibrate the cost model on each process group of several ranks (once per group)."""
     assert resolved.mesh is not None  # (groups come from a mesh)
     for group_name in (resolved.groups.shard_group, resolved.groups.replicate_group):
-        if group_name and ops.group_size(group_name) > 1:
+        if group_name and group_size(group_name) > 1:
             cost_model.calibrate(group_name, torch.device(resolved.mesh.device_type))
 
 

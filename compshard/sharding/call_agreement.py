@@ -30,7 +30,8 @@ import hashlib
 import torch
 import torch.distributed as dist
 
-from compshard.comm import ops
+from compshard.comm.layout import group_size, resolve_group
+from compshard.comm.transport import WatchedWork
 from compshard.module_tree import gather_units_hint
 
 __all__ = ["FORWARD_END", "CallMismatchError", "agree"]
@@ -53,12 +54,12 @@ def agree(place: str, module: str, group_name: str, device: torch.device) -> Non
     ``module`` (the module path of the unit or of the reading module; ``""`` at the end);
     raise :class:`CallMismatchError` on every rank if not. Nothing to do while compiling
     or for a one-rank group."""
-    if torch.compiler.is_compiling() or not group_name or ops.group_size(group_name) == 1:
+    if torch.compiler.is_compiling() or not group_name or group_size(group_name) == 1:
         return
-    group = ops.resolve_group(group_name)
+    group = resolve_group(group_name)
     mine = torch.tensor([_fingerprint(place)], dtype=torch.int64, device=device)
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    ops.WatchedWork([dist.all_gather(everyone, mine, group=group, async_op=True)], group_name).wait()
+    WatchedWork([dist.all_gather(everyone, mine, group=group, async_op=True)], group_name).wait()
     if all(torch.equal(other, mine) for other in everyone):
         return
     reached: list[tuple[str, str] | None] = [None] * len(everyone)

@@ -70,7 +70,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from compshard.comm.ops import ReduceGradArgs, UnshardArgs
+from compshard.comm.op_spec import ReduceGradArgs, UnshardArgs
 
 __all__ = [
     "EagerReductions",

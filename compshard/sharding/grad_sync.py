@@ -36,17 +36,10 @@ from typing import Any, NamedTuple, Protocol, TypeVar
 import torch
 from torch import nn
 
-from compshard.comm.ops import (
-    ReduceGradArgs,
-    ShardLayout,
-    averaging_ranks,
-    exchanged_rows,
-    group_rank,
-    group_size,
-    reduce_scatters_by_exchange,
-    sum_over_ranks,
-    sum_rows_into_shards,
-)
+from compshard.comm.layout import ShardLayout, group_rank, group_size
+from compshard.comm.op_spec import ReduceGradArgs
+from compshard.comm.ops import averaging_ranks
+from compshard.comm.transport import exchanged_rows, sum_over_ranks, sum_rows_into_shards, transport_for
 from compshard.options import CompileOptions
 from compshard.sharding.eager_reductions import EagerReductions, accumulate_grad
 
@@ -221,9 +214,9 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
     the gradients packed rank-major (row ``r`` of a ``[world_size, S]`` tensor holds rank
     ``r``'s rows of every gradient, zero-padded, as the compiled backward packs a bucket)
     and divided by the ranks (and ``divide_by``) as they are packed, that tensor reduced by
-    ``compshard::reduce_grad``'s collectives (:func:`compshard.comm.ops.sum_over_ranks`; its
+    ``compshard::reduce_grad``'s collectives (:func:`compshard.comm.transport.sum_over_ranks`; its
     ``Shard(0)`` row is this rank's), then unpacked. Where the reduction is an exchange
-    and a sum (:func:`compshard.comm.ops.reduce_scatters_by_exchange`) and there is no replica
+    and a sum (:attr:`compshard.comm.transport.Transport.reduce_scatters_by_exchange`) and there is no replica
     group, the exchanged rows are summed straight into each gradient's shard as they are
     unpacked, as the compiled backward does: no buffer of the sums, no copy of it. The
     arithmetic per element is that op's for each gradient alone (divide, then sum; one
@@ -250,7 +243,7 @@ def _reduce_bucket(bucket: list[_Accumulated], divide_by: int) -> list[torch.Ten
     if (
         world_size > 1
         and group_size(spec.replicate_group) == 1
-        and reduce_scatters_by_exchange(spec.group_name, packed.device)
+        and transport_for(spec.group_name, packed.device).reduce_scatters_by_exchange
     ):
         received = exchanged_rows(packed, world_size, spec.group_name)
         flats = sum_rows_into_shards(received, shard_numels, local_numels, shard_dtype)

@@ -11,7 +11,8 @@ from typing import Literal, get_args
 
 import torch
 
-from compshard.comm import ops
+from compshard.comm.layout import ShardLayout
+from compshard.comm.op_spec import GRAD_SYNC_MODES, UnshardArgs
 
 __all__ = ["STRATEGIES", "ParamSpec", "ShardingConfig", "Strategy"]
 
@@ -64,7 +65,7 @@ class ParamSpec:
     unshard_specs: dict[str, str] = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        args = ops.UnshardArgs(
+        args = UnshardArgs(
             shard=None,
             full_shape=list(self.full_shape),
             world_size=self.world_size,
@@ -77,8 +78,8 @@ class ParamSpec:
             grad_sync="reduce",
             grad_sink=None,
         )
-        specs = {mode: args._replace(grad_sync=mode).spec() for mode in ops.GRAD_SYNC_MODES}
+        specs = {mode: args._replace(grad_sync=mode).spec() for mode in GRAD_SYNC_MODES}
         object.__setattr__(self, "unshard_specs", specs)
 
-    def layout(self, rank: int) -> ops.ShardLayout:
-        return ops.ShardLayout(self.full_shape, self.world_size, rank)
+    def layout(self, rank: int) -> ShardLayout:
+        return ShardLayout(self.full_shape, self.world_size, rank)

@@ -46,7 +46,8 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from compshard.comm.ops import ShardLayout, all_gather_rows, group_rank
+from compshard.comm.layout import ShardLayout, group_rank
+from compshard.comm.transport import all_gather_rows
 from compshard.sharding.grad_sync import DEFAULT_BUCKET_BYTES, consecutive_buckets, grad_sync_state
 from compshard.sharding.spec import ParamSpec
 

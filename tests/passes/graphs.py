@@ -29,7 +29,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 import compshard
 from compshard import backend, cost_model
-from compshard.comm.ops import ReduceGradArgs, UnshardArgs
+from compshard.comm.op_spec import ReduceGradArgs, UnshardArgs
 from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan, node_meta
 from compshard.options import CompileOptions
 from compshard.passes import PIPELINES, PassContext, run_passes

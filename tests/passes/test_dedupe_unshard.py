@@ -7,7 +7,7 @@ import operator
 import torch
 from torch import fx
 
-from compshard.comm.ops import UnshardArgs
+from compshard.comm.op_spec import UnshardArgs
 from compshard.options import CompileOptions
 from compshard.passes import PassContext
 from compshard.passes.dedupe_unshard import dedupe_unshard

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compshard.comm.ops import simulated_backends
+from compshard.comm.transport import simulated_backends
 from compshard.compile_plan import BucketPlan, Coalescing, node_meta
 from compshard.passes.fx_utils import c10d, collective_groups, compshard_ops, is_view, reduce_grad_args
 from compshard.passes.lower_reduce_grad import lower_reduce_grad

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compshard.comm.ops import simulated_backends
+from compshard.comm.transport import simulated_backends
 from compshard.compile_plan import BucketPlan, Coalescing, node_meta
 from compshard.passes.fx_utils import c10d, collective_groups, compshard_ops
 from compshard.passes.lower_unshard import lower_unshard
