@@ -36,7 +36,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=c
 python3 -c "import torch, triton; print('torch', torch.__version__, '| triton', triton.__version__)"
 
 # -o addopts=: the CUDA tests serially, without the suite's pytest-xdist workers (not installed there)
-part 90 "CUDA tests" python3 -m pytest -q -p no:cacheprovider -o addopts= tests/test_kernels.py -k "cuda or h100 or dispatch or block" \
+part 90 "CUDA tests" python3 -m pytest -q -p no:cacheprovider -o addopts= tests/kernels/test_kernels.py -k "cuda or h100 or dispatch or block" \
     tests/test_training_features.py::test_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_memory
 part 100 "kernels, bf16 buffers" python3 benchmarks/bench_kernels.py --repeats 5 --sizes-mb 1 4 16 64 256 --out "$out/kernels_bf16.json"
 part 45 "kernels, fp32 buffers" python3 benchmarks/bench_kernels.py --repeats 5 --comm-dtype fp32 \

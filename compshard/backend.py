@@ -6,7 +6,7 @@ options={...})`` and are validated before anything is traced.
 
 One call of the backend compiles one Dynamo graph; its
 :class:`~compshard.compile_plan.CompilePlan` is the one value that passes from the
-Dynamo graph's pipeline to the joint graph's, through the partition, to the forward's and
+Dynamo graph's passes to the joint graph's, through the partition, to the forward's and
 the backward's (or the inference graph's), each returning the next plan.
 
 Execution: ``codegen="fx"`` runs each scheduled graph as generated Python with the boxed

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 import compshard
 from compshard import backend
 from compshard.models import GPT, GPTConfig
-from compshard.passes import PIPELINES
+from compshard.passes import PASS_ORDER
 from compshard.passes.fx_utils import unshard_args
 from compshard.sharding.state import has_state, state_of
 from tests.distributed import run_distributed
@@ -252,7 +252,7 @@ def test_coalescing_prices_equal_lowered_copies(results):
 def test_inspect_reports_seconds_per_pass(results):
     seconds = results[0]["coalesce"]["pass_seconds"]
     for graph in ("dynamo", "joint", "forward", "backward"):
-        assert list(seconds[graph]) == [step.name for step in PIPELINES[graph]], graph
+        assert list(seconds[graph]) == [step.name for step in PASS_ORDER[graph]], graph
 
 
 class _Checkpointed(nn.Module):

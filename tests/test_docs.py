@@ -27,10 +27,10 @@ API = ROOT / "docs" / "api.md"
 PAGES = [README, *DOCS, ROOT / "CHANGELOG.md", *sorted((ROOT / "benchmarks" / "results").glob("*.md"))]
 
 # Blocks another test runs and checks, by a text the block holds -> that test: the pipeline
-# example inside tests/test_pipeline.py's 2- and 4-rank spawn, the gradient accumulation
+# example inside tests/pipelining/test_pipeline.py's 2- and 4-rank spawn, the gradient accumulation
 # example in tests/test_training_features.py's process.
 RUN_ELSEWHERE = {
-    "compshard.pipeline(": ROOT / "tests" / "test_pipeline.py",
+    "compshard.pipeline(": ROOT / "tests" / "pipelining" / "test_pipeline.py",
     "compshard.no_sync(": ROOT / "tests" / "test_training_features.py",
 }
 

@@ -1,4 +1,4 @@
-"""The pass pipeline: which steps run, on which graph, in what order, and what each
+"""The pass order: which steps run, on which graph, in what order, and what each
 takes and returns.
 
 Each step is a plain function ``step(graph, ctx, *plans) -> plan or None`` in its own
@@ -55,7 +55,7 @@ from compshard.passes.recompute import recompute
 from compshard.passes.restore_shapes import restore_shapes
 from compshard.passes.tag_gathered_params import tag_gathered_params
 
-__all__ = ["PIPELINES", "PassContext", "Step", "run_passes"]
+__all__ = ["PASS_ORDER", "PassContext", "Step", "run_passes"]
 
 _COMPILE_FIELDS = frozenset(f.name for f in fields(CompilePlan)) - {"number", "graphs"}
 _GRAPH_FIELDS = frozenset(f.name for f in fields(GraphPlan)) - {"kind", "pass_seconds"}
@@ -63,7 +63,7 @@ _GRAPH_FIELDS = frozenset(f.name for f in fields(GraphPlan)) - {"kind", "pass_se
 
 @dataclass(frozen=True)
 class Step:
-    """One step of a pipeline: ``run(graph, ctx, **takes)``, whose result fills the plan
+    """One step of a pass order: ``run(graph, ctx, **takes)``, whose result fills the plan
     field ``provides`` (None: the step returns nothing)."""
 
     run: Callable
@@ -104,7 +104,7 @@ _FORWARD = (
     Step(restore_shapes),
 )
 
-PIPELINES: dict[GraphKind, tuple[Step, ...]] = {
+PASS_ORDER: dict[GraphKind, tuple[Step, ...]] = {
     "dynamo": (Step(dedupe_unshard),),
     "joint": (
         Step(drop_redundant_clones),
@@ -133,12 +133,12 @@ PIPELINES: dict[GraphKind, tuple[Step, ...]] = {
 
 
 def run_passes(gm: fx.GraphModule, ctx: PassContext, plan: CompilePlan) -> CompilePlan:
-    """Run the pipeline for ``ctx.graph`` on ``gm``; return ``plan`` with what its steps
+    """Run the pass order of ``ctx.graph`` on ``gm``; return ``plan`` with what its steps
     decided and this graph's :class:`GraphPlan` appended (with each step's wall seconds).
     Lints the graph after each step when ``verify``."""
     graph_plan = GraphPlan(ctx.graph)
     seconds: dict[str, float] = {}
-    for step in PIPELINES[ctx.graph]:
+    for step in PASS_ORDER[ctx.graph]:
         started = time.perf_counter()
         takes = {name: getattr(plan if name in _COMPILE_FIELDS else graph_plan, name) for name in step.takes}
         result = step.run(gm.graph, ctx, **takes)

@@ -48,6 +48,7 @@ from torch import fx
 from compshard.comm.layout import group_size
 from compshard.comm.rank_exchange import exchange_across_ranks
 from compshard.compile_plan import Bucket, BucketPlan, Coalescing, MiB, node_meta
+from compshard.passes.all_gather_builder import gathered_remotely, lower_gathers
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import (
     FakeValues,
@@ -62,9 +63,8 @@ from compshard.passes.fx_utils import (
     start_gathers_at_waits,
     unshard_args,
 )
-from compshard.passes.gather_lowering import gathered_remotely, lower_gathers
 from compshard.passes.memory_model import backend_scratch_bytes, live_bytes, storages
-from compshard.passes.reduce_lowering import lower_reductions, reduced_in_bucket
+from compshard.passes.reduce_scatter_builder import lower_reductions, reduced_in_bucket
 from compshard.sizes import nbytes
 
 __all__ = ["lowered_peak", "PeakModel", "coalesce_collectives"]

@@ -35,7 +35,7 @@ from torch import fx
 
 from compshard.compile_plan import BucketPlan, Coalescing
 from compshard.passes.context import PassContext
-from compshard.passes.reduce_lowering import lower_reductions
+from compshard.passes.reduce_scatter_builder import lower_reductions
 
 __all__ = ["lower_reduce_grad"]
 

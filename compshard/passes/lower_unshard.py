@@ -26,8 +26,8 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.compile_plan import BucketPlan, Coalescing
+from compshard.passes.all_gather_builder import lower_gathers
 from compshard.passes.context import PassContext
-from compshard.passes.gather_lowering import lower_gathers
 
 __all__ = ["lower_unshard"]
 

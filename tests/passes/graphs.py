@@ -1,12 +1,12 @@
 """Graphs for the per-pass tests: each pass runs alone, in this process, on a graph in the
-state its pipeline hands it.
+state its earlier passes hand it.
 
 - :func:`fake_world`: torch's ``"fake"`` process group of two ranks as the default group
   (this process is rank 0; collectives do nothing), with the cost model's default
   constants, so every estimate is the same on every run.
 - :func:`before`: a graph of one training step of :class:`Stack` (two repeated blocks and
   a head, sharded over the fake world) as the compshard backend hands it to a step of its
-  pipeline: a fresh copy of the graph the backend captured, with the pipeline's earlier
+  pipeline: a fresh copy of the graph the backend captured, with the pass order's earlier
   steps run under the given options.
 - :func:`traced`: a small graph traced from a function on fake tensors, for cases the
   model does not show (one rank, an op of one kind).
@@ -32,7 +32,7 @@ from compshard import backend, cost_model
 from compshard.comm.op_spec import ReduceGradArgs, UnshardArgs
 from compshard.compile_plan import CompilePlan, GraphKind, GraphPlan, node_meta
 from compshard.options import CompileOptions
-from compshard.passes import PIPELINES, PassContext, run_passes
+from compshard.passes import PASS_ORDER, PassContext, run_passes
 from compshard.passes.partition import partition
 
 WIDTH = 8
@@ -92,7 +92,7 @@ def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
 
 @dataclass(frozen=True)
 class Captured:
-    """A graph as the backend handed it to its pipeline, with the context and the plan."""
+    """A graph as the backend handed it to its passes, with the context and the plan."""
 
     gm: fx.GraphModule
     ctx: PassContext
@@ -120,7 +120,7 @@ class Capture:
 @functools.cache
 def _captured() -> Capture:
     """One training step of :class:`Stack` through the compshard backend, in the fake world,
-    each graph copied as its pipeline received it. Made once: every fake world made after
+    each graph copied as its passes received it. Made once: every fake world made after
     it has the same process group name (torch numbers groups from 0 again once the default
     group is destroyed)."""
     graphs: dict[GraphKind, Captured] = {}
@@ -154,7 +154,7 @@ def joint_args() -> JointArgs:
 
 @dataclass
 class Stage:
-    """A graph at one point of its pipeline: the graph module, the context the step gets,
+    """A graph at one point of its pass order: the graph module, the context the step gets,
     and the plan so far (this graph's :class:`GraphPlan` last)."""
 
     gm: fx.GraphModule
@@ -171,18 +171,18 @@ class Stage:
 
 
 def before(kind: GraphKind, step: str | None = None, **options: Any) -> Stage:
-    """:class:`Stack`'s ``kind`` graph with the steps of its pipeline before ``step`` run
+    """:class:`Stack`'s ``kind`` graph with the steps of its pass order before ``step`` run
     (None: every step) under ``options`` (the backend options); ``step`` itself is not run.
     Call inside :func:`fake_world`."""
     capture = _captured()
     assert dist.group.WORLD.group_name == capture.group_name, "the graphs name a process group that is gone"
     captured = capture.graphs[kind]
-    steps = PIPELINES[kind]
+    steps = PASS_ORDER[kind]
     names = [s.name for s in steps]
     ahead = steps if step is None else steps[: names.index(step)]
     gm = copy_module(captured.gm)
     ctx = PassContext(CompileOptions.from_dict({"codegen": "fx", **options}), kind)
-    with mock.patch.dict(PIPELINES, {kind: ahead}):
+    with mock.patch.dict(PASS_ORDER, {kind: ahead}):
         plan = run_passes(gm, ctx, captured.plan)
     return Stage(gm, ctx, plan)
 

@@ -1,10 +1,10 @@
-"""The pass pipeline's contracts: every plan a step takes is made before it runs."""
+"""The pass order's contracts: every plan a step takes is made before it runs."""
 
 from __future__ import annotations
 
-from compshard.passes import PIPELINES
+from compshard.passes import PASS_ORDER
 
-# What each graph's pipeline starts from: the plans of the pipelines before it on the same
+# What each graph's passes start from: the plans of the pass orders before it on the same
 # compile (the partition adds saved_count), or nothing for the first.
 UPSTREAM = {
     "dynamo": (),
@@ -18,11 +18,11 @@ MADE_BY_THE_PARTITION = {"forward": ("saved_count",), "backward": ("saved_count"
 
 
 def test_every_plan_a_step_takes_is_made_before_it():
-    for graph, steps in PIPELINES.items():
+    for graph, steps in PASS_ORDER.items():
         made = {
             step.provides
             for upstream in UPSTREAM[graph]
-            for step in PIPELINES[upstream]
+            for step in PASS_ORDER[upstream]
             if step.provides in COMPILE_FIELDS
         } | set(MADE_BY_THE_PARTITION.get(graph, ()))
         for step in steps:

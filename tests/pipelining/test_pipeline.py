@@ -34,7 +34,7 @@ from tests.distributed import run_distributed
 from tests.models import make_model
 from tests.training import ADAMW, RTOL, STEPS, local_batch, relative_error, train_reference
 
-PIPELINE_DOC = pathlib.Path(__file__).resolve().parents[1] / "docs" / "pipeline.md"
+PIPELINE_DOC = pathlib.Path(__file__).resolve().parents[2] / "docs" / "pipeline.md"
 # Eight blocks: enough ops between blocks for four stages to balance; small enough to export fast.
 BALANCE_GPT = GPTConfig(vocab_size=256, block_size=32, n_layer=8, n_head=4, n_embd=64)
 

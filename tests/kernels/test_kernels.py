@@ -39,7 +39,7 @@ HAS_TRITON = K.triton_available()
 requires_triton = pytest.mark.skipif(
     not HAS_TRITON, reason="triton is not installed: Triton-interpreter checks skipped (reference tests still run)"
 )
-REPO_ROOT = Path(__file__).resolve().parents[1]
+REPO_ROOT = Path(__file__).resolve().parents[2]
 # numpy (inside the interpreter) warns about inf/NaN arithmetic; the tests feed it such values on purpose.
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 

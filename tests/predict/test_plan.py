@@ -24,7 +24,7 @@ from compshard.predict.plan_report import ShardKeywords
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import gpt_plan
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "benchmarks"))
 from harness import peak_tensor_bytes, state_bytes  # noqa: E402  (the benchmarks' measurement)
 
 MEASURED_GPT = GPTConfig(vocab_size=512, block_size=128, n_layer=2, n_head=4, n_embd=128)
