@@ -88,7 +88,7 @@ def saved_for_backward(reference: torch.nn.Module, batch: tuple[torch.Tensor, ..
         "saved": plan.saved,
         "planned_bytes": plan.planned_bytes,
         "fits": plan.fits,
-        "levels": plan.levels,
+        "levels": {block: level.label for block, level in plan.levels.items()},
         "blocks": plan.blocks_summary(),
     }
 

@@ -2,8 +2,8 @@
 
 A compile is one Dynamo graph (one call of the backend; a graph break or a recompile
 makes another). Its :class:`CompilePlan` starts empty; each planning step of the pass
-pipeline returns one typed part of it (the buckets, the recompute policy, a graph's
-coalescing and prefetch, its estimated peak and schedule fingerprint), the pipeline runner
+order returns one typed part of it (the buckets, the recompute policy, a graph's
+coalescing and prefetch, its estimated peak and schedule fingerprint), the pass runner
 (``compshard.passes.run_passes``) puts it in a new plan, and the steps after it take it as
 an argument. Nothing is shared between passes except through these values. Every plan is
 frozen: a step that refines one returns a new one (``dataclasses.replace``).
@@ -17,11 +17,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
+from enum import IntEnum
 from typing import Any, Literal
 
 __all__ = [
     "GraphKind",
     "ScheduledKind",
+    "Freed",
+    "Level",
     "Bucket",
     "BucketPlan",
     "MemoryBudget",
@@ -46,6 +49,8 @@ GraphKind = Literal["dynamo", "joint", "forward", "backward", "inference"]
 # copy into (pack) or out of (unpack) a collective's buffer.
 ScheduledKind = Literal["all_gather", "reduce_scatter", "all_reduce", "wait", "free", "pack", "unpack"]
 COLLECTIVE_KINDS = ("all_gather", "reduce_scatter", "all_reduce")  # the kinds of collective starts
+# What a free releases (NodeMeta.freed): a bucket's all-gather output, or its unpacked parameters.
+Freed = Literal["buffer", "params"]
 
 
 class ScheduleError(RuntimeError):
@@ -53,6 +58,19 @@ class ScheduleError(RuntimeError):
 
 
 # ---------------------------------------------------------------------- per compile
+
+
+class Level(IntEnum):
+    """How much of a repeated block is recomputed; higher saves less."""
+
+    SAVE = 0
+    SELECTIVE = 1
+    FULL = 2
+
+    @property
+    def label(self) -> str:
+        """The lowercase name logs and reports show, as the ``recompute`` option spells it."""
+        return self.name.lower()
 
 
 @dataclass(frozen=True)
@@ -70,7 +88,7 @@ class Bucket:
 class MemoryBudget:
     """What ``memory_budget_mb="auto"`` decided (``passes/keep_gathered.py``): the buckets
     it keeps gathered from forward to backward beyond the default ones, and the blocks it
-    raised to recompute (block -> ``"selective"`` or ``"full"``) to free their room.
+    raised to recompute (block -> ``Level.SELECTIVE`` or ``Level.FULL``) to free their room.
 
     The budget is eager FSDP2's peak on the same model, estimated as this schedule's with
     every block saving what eager autograd saves (``eager_saved_bytes``) and no further
@@ -80,7 +98,7 @@ class MemoryBudget:
     """
 
     kept: tuple[str, ...]
-    levels: dict[str, str]
+    levels: dict[str, Level]
     eager_saved_bytes: int
     freed_bytes: int
     kept_bytes: int
@@ -92,7 +110,7 @@ class MemoryBudget:
                 "memory budget auto (eager FSDP2's peak): no further bucket kept gathered (in the cost model, "
                 "no re-gather fits the room recompute frees at a saving)"
             )
-        raised = ", ".join(f"{block} {level}" for block, level in self.levels.items()) or "none"
+        raised = ", ".join(f"{block} {level.label}" for block, level in self.levels.items()) or "none"
         return (
             f"memory budget auto (eager FSDP2's peak): {len(self.kept)} more bucket(s) kept gathered, "
             f"{self.kept_bytes / MiB:.3f} MiB, in room freed by recompute ({raised}: {self.freed_bytes / MiB:.3f} "
@@ -130,11 +148,10 @@ class RecomputePlan:
     partitioned, what the forward really saves for the backward.
 
     ``planned_bytes``: activations the plan saves (budget mode: the figure the budget is
-    checked against; other policies: the tagged blocks only). ``levels``: block ->
-    ``"save"``, ``"selective"`` or ``"full"``. ``saved``: after the partition, bytes
-    saved for backward by kind: ``"activations"``, ``"gathered params"`` (kept
-    ``unshard`` outputs) and ``"inputs"`` (graph inputs: shards, buffers, the batch).
-    The dicts are not to be changed.
+    checked against; other policies: the tagged blocks only). ``levels``: block -> its
+    :class:`Level`. ``saved``: after the partition, bytes saved for backward by kind:
+    ``"activations"``, ``"gathered params"`` (kept ``unshard`` outputs) and ``"inputs"``
+    (graph inputs: shards, buffers, the batch). The dicts are not to be changed.
     """
 
     policy: str
@@ -142,13 +159,13 @@ class RecomputePlan:
     planned_bytes: int = 0
     recompute_seconds: float = 0.0
     fits: bool = True
-    levels: dict[str, str] = field(default_factory=dict)
+    levels: dict[str, Level] = field(default_factory=dict)
     saved: dict[str, int] = field(default_factory=dict)
 
     def blocks_summary(self) -> str:
         """How many blocks are at each level (``"1 full, 1 save"``)."""
         levels = list(self.levels.values())
-        return ", ".join(f"{levels.count(level)} {level}" for level in dict.fromkeys(levels))
+        return ", ".join(f"{levels.count(level)} {level.label}" for level in dict.fromkeys(levels))
 
     def describe(self) -> str:
         parts = [f"recompute {self.policy}"]
@@ -205,8 +222,8 @@ class Prefetch:
 
 @dataclass(frozen=True)
 class GraphPlan:
-    """The decisions and estimates of one graph's pipeline. ``pass_seconds``: (step name,
-    wall seconds) in pipeline order."""
+    """The decisions and estimates of one graph's pass order. ``pass_seconds``: (step name,
+    wall seconds) in the order the steps ran."""
 
     kind: GraphKind
     coalescing: Coalescing | None = None
@@ -220,7 +237,7 @@ class GraphPlan:
 class CompilePlan:
     """Everything decided for one Dynamo graph: the plans its joint graph makes (buckets,
     recompute), what the partition saves for backward, and one :class:`GraphPlan` per
-    graph its pipelines ran on (dynamo, joint, forward, backward or inference), in order.
+    graph its pass orders ran on (dynamo, joint, forward, backward or inference), in order.
     ``number`` tells compiles apart (0, 1, ... in this process)."""
 
     number: int
@@ -254,7 +271,7 @@ class NodeMeta:
     schedule fingerprint; ``collective`` links a start, its wait and the pack and unpack
     nodes around it; ``buckets``: the buckets of a bucketed collective; ``gathered``: a
     gathered buffer or a bucket's unpacked parameters (freed by ``insert_free``);
-    ``freed``: for a free, ``"buffer"`` or ``"params"``.
+    ``freed``: for a free, what it releases (:data:`Freed`).
 
     Estimates: ``seconds`` (``estimate_costs``), ``agreed_seconds`` (the ranks' largest,
     ``agree_shapes``), ``live_bytes`` after the node (``estimate_memory``);
@@ -267,7 +284,7 @@ class NodeMeta:
     collective: str | None = None
     buckets: tuple[str, ...] = ()
     gathered: bool = False
-    freed: str | None = None
+    freed: Freed | None = None
     seconds: float | None = None
     agreed_seconds: float | None = None
     live_bytes: int | None = None

@@ -113,7 +113,7 @@ def log_plan(plan: CompilePlan) -> None:
             if not budget
             else {
                 "kept": list(budget.kept),
-                "levels": budget.levels,
+                "levels": {block: level.label for block, level in budget.levels.items()},
                 "eager_saved_bytes": budget.eager_saved_bytes,
                 "freed_bytes": budget.freed_bytes,
                 "kept_bytes": budget.kept_bytes,
@@ -123,7 +123,7 @@ def log_plan(plan: CompilePlan) -> None:
             if recompute is None
             else {
                 "policy": recompute.policy,
-                "levels": recompute.levels,
+                "levels": {block: level.label for block, level in recompute.levels.items()},
                 "saved_bytes": recompute.saved,
                 "planned_bytes": recompute.planned_bytes,
                 "budget_bytes": recompute.budget_bytes,

@@ -651,8 +651,9 @@ def test_auto_memory_budget_keeps_buckets_in_room_freed_by_recompute_within_fsdp
 
 
 def test_auto_budget_keeps_a_bucket_only_in_the_room_freed_before_it():
+    from compshard.compile_plan import Level
     from compshard.passes.keep_gathered import _Candidate, _choose
-    from compshard.passes.recompute_model import BlockRaise, Level
+    from compshard.passes.recompute_model import BlockRaise
 
     candidates = [_Candidate(f"blocks.{i}", 10, f"blocks.{i}", 1.0) for i in range(3)]
     raises = {f"blocks.{i}": BlockRaise(Level.SELECTIVE, 6, 0.5) for i in range(3)}

@@ -18,6 +18,7 @@ import torch
 
 import compshard
 from compshard import backend
+from compshard.compile_plan import Level
 from compshard.models import GPT
 from compshard.passes.fx_utils import block_of_nodes
 from tests.distributed import run_distributed
@@ -105,7 +106,7 @@ def test_saved_bytes_order_full_selective_none(results):
     for rank, result in enumerate(results):
         saved = {policy: result[policy]["note"].saved["activations"] for policy in POLICIES}
         assert saved["full"] < saved["selective"] < saved["none"], f"rank {rank}: {saved}"
-        assert result["full"]["note"].levels == {"blocks.0": "full", "blocks.1": "full"}
+        assert result["full"]["note"].levels == {"blocks.0": Level.FULL, "blocks.1": Level.FULL}
 
 
 def test_feasible_budget_is_respected(results):
@@ -123,7 +124,7 @@ def test_infeasible_budget_is_reported(results):
         note, warned = result["infeasible"]["note"], result["infeasible"]["warned"]
         assert not note.fits and "does NOT fit" in note.describe(), f"rank {rank}: {note.describe()}"
         assert warned and "cannot be met" in warned[0]
-        assert set(note.levels.values()) == {"full"}  # the least there is, used anyway
+        assert set(note.levels.values()) == {Level.FULL}  # the least there is, used anyway
         assert note.describe() in result["infeasible"]["report"]  # the inspect report says so
 
 
@@ -187,10 +188,10 @@ def test_block_raises_price_each_block_as_a_walk_of_the_whole_forward_does():
     def partition(joint, joint_inputs, **kwargs):
         raises = recompute.block_raises(joint.graph, "none", frozenset())
         policy = recompute.policy_for(joint.graph)
-        eager = policy.plan({}, recompute.Level.SAVE)
+        eager = policy.plan({}, Level.SAVE)
         for block, options in raises.raises.items():
             for option in options:
-                whole = policy.plan({block: option.level}, recompute.Level.SAVE)
+                whole = policy.plan({block: option.level}, Level.SAVE)
                 compared.append(
                     (
                         (option.freed_bytes, option.seconds),

@@ -28,6 +28,7 @@ from torch.distributed.tensor.parallel import parallelize_module
 
 import compshard
 from compshard.backend import record_compiles
+from compshard.compile_plan import Level
 from tests.distributed import run_distributed
 from tests.models import make_model
 from tests.test_tensor_parallel import (
@@ -56,7 +57,7 @@ class PlanSeen:
     whether every bucket stayed gathered from forward to backward."""
 
     policy: str
-    levels: dict[str, str]
+    levels: dict[str, Level]
     all_kept: bool
 
 
@@ -150,5 +151,5 @@ def test_compiled_accumulation_recomputed_and_kept_gathered_as_asked(results):
     plans = results["plans"]
     assert len(plans) == 2, plans  # one per gradient-sync mode: accumulate, fold
     for plan in plans:
-        assert plan.policy == "full" and plan.levels and set(plan.levels.values()) == {"full"}, plan
+        assert plan.policy == "full" and plan.levels and set(plan.levels.values()) == {Level.FULL}, plan
         assert plan.all_kept, plan

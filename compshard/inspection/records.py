@@ -11,6 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Any, TypedDict
 
+from compshard.compile_plan import Freed
+
 __all__ = ["BucketEntry", "Collective", "ScheduleRow"]
 
 
@@ -43,7 +45,7 @@ class Collective(_ReadsByName):
     node: str
     op: str  # the operator that runs it: "reduce_scatter_tensor", "exchange_rows_" (gloo), ...
     bucket: str  # the bucket names, joined by "+" when buckets share the collective
-    of: str | None  # for a free: "buffer" (the all-gather output) or "params" (the unpacked parameters)
+    of: Freed | None  # for a free: "buffer" (the all-gather output) or "params" (the unpacked parameters)
 
 
 @dataclass(frozen=True)

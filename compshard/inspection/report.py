@@ -24,7 +24,7 @@ from tabulate import tabulate
 from torch import fx
 
 from compshard import backend
-from compshard.compile_plan import COLLECTIVE_KINDS, CompilePlan, NodeMeta, RecomputePlan, node_meta
+from compshard.compile_plan import COLLECTIVE_KINDS, CompilePlan, Freed, NodeMeta, RecomputePlan, node_meta
 from compshard.inspection.nodes import only_views, op_name, program_group
 from compshard.inspection.records import BucketEntry, Collective, ScheduleRow
 from compshard.inspection.trace import chrome_trace
@@ -37,7 +37,7 @@ __all__ = ["Report"]
 
 _LISTED_KINDS = (*COLLECTIVE_KINDS, "free")  # what report.collectives holds
 _FOLDED_KINDS = ("compute", "pack", "unpack")  # rows whose runs fold into one
-_FREED = {"buffer": "gather buffer", "params": "unpacked params"}
+_FREED: dict[Freed, str] = {"buffer": "gather buffer", "params": "unpacked params"}  # as the table names them
 
 
 class Report:
@@ -192,7 +192,7 @@ class Report:
         kind = meta.kind or ("tp collective" if program_collective(node) else "compute")
         bucket = self._bucket_label(meta, graph_name) if meta.kind else program_group(node)
         if kind == "free" and meta.freed:
-            bucket += f" ({_FREED.get(meta.freed, meta.freed)})"
+            bucket += f" ({_FREED[meta.freed]})"
         return ScheduleRow(
             graph=graph_name,
             node=node.name,

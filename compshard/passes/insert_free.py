@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from torch import fx
 
-from compshard.compile_plan import NodeMeta, node_meta
+from compshard.compile_plan import Freed, NodeMeta, node_meta
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import aliases, compshard_ops, emit, escapes, gathered_buffers, node_order, reads_until
 
@@ -34,7 +34,7 @@ def insert_free(graph: fx.Graph, ctx: PassContext) -> None:
         last = max(users, key=order.__getitem__)
         meta = node_meta(buffer)
         with graph.inserting_after(last):
-            freed = "buffer" if meta.kind == "wait" else "params"
+            freed: Freed = "buffer" if meta.kind == "wait" else "params"
             emit(
                 graph,
                 compshard_ops.free.default,

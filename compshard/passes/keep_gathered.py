@@ -42,11 +42,11 @@ from torch import fx
 
 from compshard.comm.layout import resolve_group
 from compshard.comm.rank_exchange import exchange_across_ranks
-from compshard.compile_plan import BucketPlan, MemoryBudget, MiB
+from compshard.compile_plan import BucketPlan, Level, MemoryBudget, MiB
 from compshard.cost_model import collective_seconds, costs_for
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op, unshard_args, unshard_group
-from compshard.passes.recompute_model import BlockRaise, BlockRaises, Level, block_raises
+from compshard.passes.recompute_model import BlockRaise, BlockRaises, block_raises
 
 __all__ = ["keep_gathered", "smallest_within"]
 
@@ -165,7 +165,7 @@ def _auto(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> BucketPlan:
     kept = set(best.kept)
     budget = MemoryBudget(
         kept=best.kept,
-        levels={block: r.level.name.lower() for block, r in best.raises.items()},
+        levels={block: r.level for block, r in best.raises.items()},
         eager_saved_bytes=trade.eager_bytes,
         freed_bytes=sum(r.freed_bytes for r in best.raises.values()),
         kept_bytes=sum(c.nbytes for c in candidates if c.name in kept),

@@ -50,7 +50,7 @@ from compshard.compile_plan import BucketPlan, MiB, RecomputePlan
 from compshard.logs import warn
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import is_view, producer
-from compshard.passes.recompute_model import Level, SavePlan, budget_levels, option_levels, policy_for
+from compshard.passes.recompute_model import SavePlan, budget_levels, option_levels, policy_for
 
 __all__ = ["recompute"]
 
@@ -71,7 +71,7 @@ def recompute(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> Recompu
         return RecomputePlan("none")
     policy = policy_for(graph)
     if chosen:  # raised by memory_budget_mb="auto"; its other blocks are the partitioner's
-        levels = {block: Level[level.upper()] for block, level in chosen.items()}
+        levels = dict(chosen)  # the plan's own dict, not the budget's
         plan = policy.plan(levels, None)
         budget_bytes, fits, policy_name = None, True, "auto"
     elif isinstance(option, Mapping):
@@ -82,7 +82,7 @@ def recompute(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> Recompu
             warn(
                 f"compshard: recompute budget_mb={option['budget_mb']} (MiB) cannot be met: the least this graph "
                 f"saves is {plan.saved_bytes / MiB:.3f} MiB of activations per rank (blocks: "
-                f"{', '.join(level.name.lower() for level in levels.values()) or 'none found'}); using that"
+                f"{', '.join(level.label for level in levels.values()) or 'none found'}); using that"
             )
         policy_name = "budget"
     else:
@@ -96,5 +96,5 @@ def recompute(graph: fx.Graph, ctx: PassContext, buckets: BucketPlan) -> Recompu
         planned_bytes=plan.saved_bytes,
         recompute_seconds=plan.recompute_seconds,
         fits=fits,
-        levels={block: level.name.lower() for block, level in levels.items()},
+        levels=levels,
     )

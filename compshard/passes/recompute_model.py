@@ -2,10 +2,10 @@
 memory budget (``passes/keep_gathered.py``); not a pass itself.
 
 Over a joint graph it decides, per forward node, whether the backward gets it saved or
-recomputed, given a level per repeated block (:class:`Level`), and prices the decision:
-the activation bytes saved and the seconds of recompute (``cost_model``, the agreed
-constants), so every rank decides alike. :func:`block_raises` prices each block raised
-alone, what ``memory_budget_mb="auto"`` trades against keeping buckets gathered.
+recomputed, given a level per repeated block (``compile_plan.Level``), and prices the
+decision: the activation bytes saved and the seconds of recompute (``cost_model``, the
+agreed constants), so every rank decides alike. :func:`block_raises` prices each block
+raised alone, what ``memory_budget_mb="auto"`` trades against keeping buckets gathered.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from __future__ import annotations
 import operator
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from enum import IntEnum
 
 import torch
 from torch import fx
 from torch.utils.checkpoint import CheckpointPolicy
 
-from compshard.compile_plan import MiB
+from compshard.compile_plan import Level, MiB
 from compshard.cost_model import Costs, costs_for, node_seconds
 from compshard.passes.fx_utils import aten, backward_nodes, block_of_nodes, first_arg, is_view, producer, unshard_group
 from compshard.sizes import nbytes
@@ -28,7 +27,6 @@ __all__ = [
     "COMPUTE_INTENSIVE",
     "BlockRaise",
     "BlockRaises",
-    "Level",
     "Policy",
     "SavePlan",
     "block_raises",
@@ -57,14 +55,6 @@ COMPUTE_INTENSIVE = frozenset(
 )
 
 _RECOMPUTE_TAGS = (CheckpointPolicy.MUST_RECOMPUTE, CheckpointPolicy.PREFER_RECOMPUTE)
-
-
-class Level(IntEnum):
-    """How much of a block is recomputed; higher saves less."""
-
-    SAVE = 0
-    SELECTIVE = 1
-    FULL = 2
 
 
 def _is_random(node: fx.Node) -> bool:

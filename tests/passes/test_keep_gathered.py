@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from compshard.compile_plan import MiB
+from compshard.compile_plan import Level, MiB
 from compshard.passes.keep_gathered import keep_gathered
 from tests.passes.graphs import before, layout, param_bytes
 
@@ -45,5 +45,6 @@ def test_auto_records_its_trade_and_keeps_what_it_names():
     assert budget.kept == ("blocks.0", "blocks.1") and budget.levels  # the head's bucket was kept already
     assert set(_kept(buckets)) == {"rest.0", *budget.kept}
     assert budget.kept_bytes == sum(buckets.bucket_of(f"{name}.fc1.weight").nbytes for name in budget.kept)
-    assert set(budget.levels) <= {"blocks.0", "blocks.1"} and set(budget.levels.values()) <= {"selective", "full"}
+    assert set(budget.levels) <= {"blocks.0", "blocks.1"}
+    assert set(budget.levels.values()) <= {Level.SELECTIVE, Level.FULL}
     assert budget.eager_saved_bytes > 0 and budget.kept_bytes <= budget.freed_bytes

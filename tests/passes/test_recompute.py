@@ -7,6 +7,7 @@ import pytest
 import torch
 from torch.utils.checkpoint import CheckpointPolicy
 
+from compshard.compile_plan import Level
 from compshard.passes.fx_utils import block_of_nodes
 from compshard.passes.recompute import recompute
 from tests.passes.graphs import before
@@ -38,7 +39,8 @@ def test_none_tags_nothing():
 @pytest.mark.parametrize("option", ["full", "selective"])
 def test_a_named_policy_tags_the_blocks_and_keeps_earlier_tags(option):
     earlier, tags, plan, block_of = _run(option)
-    assert plan.policy == option and plan.levels == {"blocks.0": option, "blocks.1": option}
+    level = Level[option.upper()]
+    assert plan.policy == option and plan.levels == {"blocks.0": level, "blocks.1": level}
     assert {node: tags[node] for node in earlier} == earlier
     assert all(node in block_of for node in set(tags) - set(earlier) if tags[node] == RECOMPUTE)
     assert _in_blocks(tags, block_of, aten.relu.default) and set(_in_blocks(tags, block_of, aten.relu.default)) == {
@@ -53,9 +55,9 @@ def test_a_budget_that_cannot_be_met_warns_and_takes_the_least_it_can_save():
     with pytest.warns(UserWarning, match="budget_mb=0 .* cannot be met"):
         _, _, plan, _ = _run({"budget_mb": 0})
     assert plan.policy == "budget" and not plan.fits and plan.budget_bytes == 0
-    assert set(plan.levels.values()) == {"full"}
+    assert set(plan.levels.values()) == {Level.FULL}
 
 
 def test_a_budget_that_fits_recomputes_nothing():
     _, _, plan, _ = _run({"budget_mb": 1024})
-    assert plan.fits and plan.recompute_seconds == 0 and set(plan.levels.values()) == {"save"}
+    assert plan.fits and plan.recompute_seconds == 0 and set(plan.levels.values()) == {Level.SAVE}

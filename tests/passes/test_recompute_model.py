@@ -16,11 +16,11 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils.checkpoint import CheckpointPolicy
 
 from compshard import cost_model
+from compshard.compile_plan import Level
 from compshard.cost_model import Costs
 from compshard.passes.fx_utils import backward_nodes
 from compshard.passes.recompute_model import (
     BlockRaise,
-    Level,
     Policy,
     block_raises,
     budget_levels,
