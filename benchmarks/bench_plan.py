@@ -1,4 +1,4 @@
-"""compshard.plan against a measured run: predicted and measured step time and peak memory.
+"""compshard.forecast against a measured run: predicted and measured step time and peak memory.
 
     for n in 1 2 4; do torchrun --standalone --nproc-per-node $n benchmarks/bench_plan.py; done
     torchrun --standalone --nproc-per-node 2 benchmarks/bench_plan.py --layers 8 --width 256
@@ -11,7 +11,7 @@ per-rank peak bytes of CPU/GPU tensors of one forward and backward (bytes held a
 start plus the largest rise of the allocator's allocations; the largest over ranks).
 Then every rank times the machine (``compshard.predict.hardware.measure``: the cost model's
 constants sustained, the host work per parameter tensor) and rank 0 plans the same
-model, batch and options with ``compshard.plan(..., world_size=<this run's>,
+model, batch and options with ``compshard.forecast(..., world_size=<this run's>,
 hardware=<that>)`` while the others wait (as ``hardware="measured"`` does); the plan is
 shown beside the measurement with the prediction's error ((predicted - measured) /
 measured).
@@ -109,14 +109,14 @@ def measure_and_plan(args: argparse.Namespace, reference, batch, world_size: int
     per_rank: list = [None] * world_size
     dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes))
     machine = compshard.predict.hardware.measure(device, world_size)  # collective
-    # Rank 0 plans (in a subprocess) while the other ranks wait, as compshard.plan(...,
+    # Rank 0 plans (in a subprocess) while the other ranks wait, as compshard.forecast(...,
     # hardware="measured") does: its timings are scaled to the training load by the
     # calibration matmul, timed while every rank ran it.
     progress("planning ...")
     plan_started = time.perf_counter()
     report = None
     if dist.get_rank() == 0:
-        report = compshard.plan(reference, *batch, world_size=world_size, hardware=machine, options=args.options)
+        report = compshard.forecast(reference, *batch, world_size=world_size, hardware=machine, options=args.options)
     plan_seconds = time.perf_counter() - plan_started
     dist.monitored_barrier(timeout=PLAN_TIMEOUT)
     measured_step = max(statistics.median(steps) for steps, _ in per_rank)

@@ -1,4 +1,4 @@
-"""Predicted scaling of a Llama-style model with compshard.plan: no GPU needed.
+"""Predicted scaling of a Llama-style model with compshard.forecast: no GPU needed.
 
     python benchmarks/plan_scaling.py
     python benchmarks/plan_scaling.py --ranks 8,64 --hardware a100-sxm-80gb --layers 32
@@ -12,7 +12,7 @@ AdamW; compile options {"recompute": "selective", "max_inflight_mb": --max-infli
 previous one's is, as FSDP2 prefetches one layer; with compshard's default of 256 no
 layer's gather is prefetched). For each world size in --ranks, full sharding and hybrid
 sharding (shard groups of one node's 8 GPUs; not at 8 ranks, where it is full sharding),
-compshard.plan predicts the step time (compute, exposed communication, all collectives),
+compshard.forecast predicts the step time (compute, exposed communication, all collectives),
 the peak memory per GPU and the tokens/s per GPU; "comm share" is the exposed
 communication's share of the step, "link busy" the collectives' seconds over the step's.
 
@@ -23,7 +23,7 @@ SXM datasheet part, and the HBM2e 500 W part those runs used (see compshard.pred
 and, at 128 GPUs, with compshard's default max_inflight_mb.
 
 Each plan compiles the model's first 3 and 4 blocks on fake tensors and extends the
-estimates to all blocks (compshard.plan's depth="auto"). A table is printed and a JSON
+estimates to all blocks (compshard.forecast's depth="auto"). A table is printed and a JSON
 file written (--out) with the command, versions, the wall time and every number.
 """
 
@@ -116,10 +116,10 @@ def predict(
     strategy: str,
     hardware: str,
     max_inflight_mb: float,
-) -> compshard.PlanReport:
+) -> compshard.Forecast:
     tokens = torch.zeros(args.batch, args.seq, dtype=torch.long, device="meta")
     started = time.perf_counter()
-    report = compshard.plan(
+    report = compshard.forecast(
         model,
         input_ids=tokens,
         labels=tokens,
@@ -137,7 +137,7 @@ def predict(
     return report
 
 
-def row(report: compshard.PlanReport) -> dict:
+def row(report: compshard.Forecast) -> dict:
     step = report.step
     return {
         "ranks": report.world_size,

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 __version__ = "0.1.0"  # the one place the version is written (pyproject.toml reads it)
 
+from typing import Any
+
 import torch
 
 from compshard import checkpoint
@@ -22,7 +24,7 @@ from compshard.compile_plan import ScheduleError
 from compshard.inspection import Report, inspect
 from compshard.options import CompileOptions
 from compshard.pipelining import Pipeline, PipelineReport, pipeline
-from compshard.predict import PlanReport, plan
+from compshard.predict import Forecast, forecast, plan
 from compshard.sharding import ShardingConfig, no_sync, set_requires_gradient_sync, shard, sharding_config
 
 # Installed, the backend is known through its entry point and Dynamo registers it when
@@ -48,6 +50,16 @@ __all__ = [
     "set_requires_gradient_sync",
     "sharding_config",
     "ShardingConfig",
-    "plan",
-    "PlanReport",
+    "forecast",
+    "Forecast",
+    "plan",  # deprecated: forecast
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """``PlanReport``: the deprecated name of :class:`Forecast` (a warning says so)."""
+    if name == "PlanReport":
+        from compshard import predict
+
+        return predict.PlanReport
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -11,7 +11,7 @@ sizes (alpha, beta), a timed matmul (FLOP rate) and a timed tiny op (per-node co
 figures (all-reduce MAX), so all ranks decide from the same numbers and build the same
 schedule; compiling issues no calibration collective. Without a process group (or
 before calibration) defaults are used. The constants are plain data (:class:`Costs`);
-``assumed`` sets groups' constants without measuring (``compshard.plan`` gives its
+``assumed`` sets groups' constants without measuring (``compshard.forecast`` gives its
 simulated groups those of the hardware it plans for).
 
 Collectives: ``beta`` is per byte of the full buffer (an all-gather's output, a
@@ -139,7 +139,7 @@ def calibrate(group_name: str, device: torch.device) -> Costs:
 
 @contextlib.contextmanager
 def assumed(costs_by_group: dict[str, Costs]) -> Iterator[None]:
-    """Within: these groups' constants are the given ones, not measured (``compshard.plan``
+    """Within: these groups' constants are the given ones, not measured (``compshard.forecast``
     gives its simulated process groups those of the hardware it plans for; ``calibrate``
     returns them as they are). What was known before is back on exit."""
     before = {name: _calibrated.get(name) for name in costs_by_group}

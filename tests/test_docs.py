@@ -126,11 +126,12 @@ def test_slug_matches_githubs_rule():
 # ------------------------------------------------------------------- options and API
 
 NOT_DOCUMENTED = {"compshard_backend"}  # what torch.compile(backend="compshard") calls; not called by users
+DEPRECATED = {"plan"}  # old names that warn and forward; api.md names them in a sentence, not a table
 FUNCTIONS = {
     **{
         f"compshard.{name}": getattr(compshard, name)
         for name in compshard.__all__
-        if inspect.isfunction(getattr(compshard, name)) and name not in NOT_DOCUMENTED
+        if inspect.isfunction(getattr(compshard, name)) and name not in NOT_DOCUMENTED | DEPRECATED
     },
     **{
         f"compshard.checkpoint.{name}": getattr(compshard.checkpoint, name)
@@ -190,6 +191,12 @@ def test_api_documents_every_public_function():
     assert set(api_tables()) == {*FUNCTIONS, "compshard.CompileOptions"}
 
 
+@pytest.mark.parametrize("name", sorted(DEPRECATED))
+def test_api_names_each_deprecated_function(name):
+    deprecated = API.read_text().split("Deprecated names", 1)[1].split("\n- ", 1)[0]
+    assert f"`compshard.{name}`" in deprecated
+
+
 @pytest.mark.parametrize("name", list(FUNCTIONS))
 def test_api_table_matches_the_signature(name):
     written = api_tables()[name]
@@ -215,7 +222,7 @@ def test_api_options_table_matches_compile_options():
 CHOICES: dict[tuple[str, str], tuple[str, ...]] = {
     ("compshard.shard", "strategy"): STRATEGIES,
     ("compshard.pipeline", "schedule"): tuple(SCHEDULES),
-    ("compshard.plan", "hardware"): (*PRESETS, "measured"),
+    ("compshard.forecast", "hardware"): (*PRESETS, "measured"),
 }
 
 
@@ -255,7 +262,7 @@ def choice_errors(meaning: str, allowed: tuple[str, ...]) -> list[str]:
 def test_api_tables_list_the_allowed_values():
     rows = {(table, name): meaning for table, table_rows in api_rows().items() for name, _, meaning in table_rows}
     choices = code_choices()
-    assert ("compshard.plan", "depth") in choices and ("compshard.CompileOptions", "codegen") in choices
+    assert ("compshard.forecast", "depth") in choices and ("compshard.CompileOptions", "codegen") in choices
     for key, allowed in choices.items():
         assert key in rows, f"{key}: no row in docs/api.md"
         assert not choice_errors(rows[key], allowed), f"{key}: {choice_errors(rows[key], allowed)}"

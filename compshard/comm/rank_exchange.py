@@ -42,7 +42,7 @@ def exchange_across_ranks(namespace: str, group_name: str, value: object, what: 
     A rank that never publishes is a ``ScheduleError`` after ``STORE_TIMEOUT`` naming
     ``what`` this rank compiled, not a hang.
 
-    On a ``"fake"`` process group (``compshard.plan``: one process stands for rank 0 of
+    On a ``"fake"`` process group (``compshard.forecast``: one process stands for rank 0 of
     the world and has no store to exchange through) every rank's value is this rank's:
     rank 0 holds the most rows of every parameter, so its shapes are the largest."""
     group = resolve_group(group_name)

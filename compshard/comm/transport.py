@@ -100,7 +100,7 @@ _simulated_backends: dict[str, str] = {}  # process group name -> the backend it
 
 @contextlib.contextmanager
 def simulated_backends(backend_by_group: dict[str, str]) -> Iterator[None]:
-    """Within: these process groups (``compshard.plan``'s groups on the ``"fake"``
+    """Within: these process groups (``compshard.forecast``'s groups on the ``"fake"``
     backend) count as the named backend (``"gloo"``, ``"nccl"``) in :func:`transport_for`:
     the scratch memory of collectives, how a reduce-scatter is run."""
     _simulated_backends.update(backend_by_group)

@@ -1,4 +1,4 @@
-"""Between the joint graph's pipeline and the forward's: the partition into a forward and
+"""Between the joint graph's pass order and the forward's: the partition into a forward and
 a backward graph, and the account of what the forward saves for the backward.
 
 The partition is AOTAutograd's min-cut (``min_cut_rematerialization_partition``), which

@@ -1,4 +1,4 @@
-"""Last pass of the forward/backward/inference pipelines: this rank's own shapes back.
+"""Last pass of the forward, backward and inference pass orders: this rank's own shapes back.
 
 Before: nodes whose ``meta["val"]`` is a stand-in of the shapes every rank agreed on
 (``agree_shapes``). After: every node's ``meta["val"]`` is this rank's own fake value

@@ -1,9 +1,9 @@
-"""Depth: plan a deep model from shallower copies of it.
+"""Depth: forecast a deep model from shallower copies of it.
 
 Compiling a deep model takes minutes (Dynamo, AOTAutograd and the partitioner trace every
 block). With ``depth="auto"`` a model whose blocks form a stack of at least
 ``EXTRAPOLATE_FROM`` identical blocks (a ``ModuleList`` of one class with the same
-parameter shapes) is planned with its first ``PLANNED_BLOCKS`` (3 and 4) blocks, and every
+parameter shapes) is forecast from its first ``COMPILED_BLOCKS`` (3 and 4) blocks, and every
 estimate is extended linearly by the difference (one middle block: the first blocks start
 the prefetch chain, whose look-ahead reaches past the first middle block, and the last
 stays gathered into backward), when nothing couples the blocks of the schedule: one
@@ -11,7 +11,7 @@ bucket per block (``buckets="auto"``), a block's gathered bytes over ``bucket_mb
 collective joins two blocks), no global budget (``memory_budget_mb``,
 ``recompute={"budget_mb": ...}``). Parameters and optimizer state come from the full
 model's shapes. ``depth="exact"`` compiles the whole model; ``depth="extrapolate"``
-extends whenever a stack of ``PLANNED_BLOCKS[1]`` identical blocks exists.
+extends whenever a stack of ``COMPILED_BLOCKS[1]`` identical blocks exists.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from compshard.inspection import Report
 from compshard.options import CompileOptions
 from compshard.predict.estimates import Estimates
 
-__all__ = ["EXTRAPOLATE_FROM", "PLANNED_BLOCKS", "Depth", "extrapolated", "stack_to_extrapolate"]
+__all__ = ["EXTRAPOLATE_FROM", "COMPILED_BLOCKS", "Depth", "extrapolated", "stack_to_extrapolate"]
 
 EXTRAPOLATE_FROM = 8  # depth="auto" extrapolates stacks of at least this many blocks
-PLANNED_BLOCKS = (3, 4)  # the truncated depths an extrapolated plan compiles
+COMPILED_BLOCKS = (3, 4)  # the truncated depths an extrapolated forecast compiles
 Depth = Literal["auto", "exact", "extrapolate"]
 
 
@@ -45,7 +45,8 @@ def stack_to_extrapolate(
     stack = _block_stack(model) if depth != "exact" else None
     if depth == "extrapolate" and stack is None:
         raise ValueError(
-            f"compshard.plan: depth='extrapolate' needs a ModuleList of at least {PLANNED_BLOCKS[1]} identical blocks"
+            f"compshard.forecast: depth='extrapolate' needs a ModuleList of at least {COMPILED_BLOCKS[1]} "
+            "identical blocks"
         )
     if stack is None or depth == "extrapolate":
         return None if stack is None else (stack[0], len(stack[1]))
@@ -63,10 +64,10 @@ def extrapolated(
     model: nn.Module, stack: tuple[str, int], estimate: Callable[[nn.Module], tuple[Estimates, Report]]
 ) -> tuple[Estimates, Report]:
     """``estimate`` of ``model`` whose ``stack`` (name, blocks) is truncated to each of
-    ``PLANNED_BLOCKS``, the deeper extended to the stack's length; with the deeper's
+    ``COMPILED_BLOCKS``, the deeper extended to the stack's length; with the deeper's
     schedule."""
     stack_name, blocks = stack
-    shallow, deep = PLANNED_BLOCKS
+    shallow, deep = COMPILED_BLOCKS
     shallower, _ = estimate(_truncated(model, stack_name, shallow))
     deeper, schedule = estimate(_truncated(model, stack_name, deep))
     return deeper.extended(shallower, blocks - deep), schedule
@@ -82,7 +83,7 @@ def _block_stack(model: nn.Module) -> tuple[str, nn.ModuleList] | None:
         (name, module)
         for name, module in model.named_modules()
         if isinstance(module, nn.ModuleList)
-        and len(module) >= PLANNED_BLOCKS[1]
+        and len(module) >= COMPILED_BLOCKS[1]
         and len({signature(block) for block in module}) == 1
     ]
     return max(stacks, key=lambda stack: len(stack[1]), default=None)

@@ -14,8 +14,8 @@ from torch import nn
 from compshard.inspection import Report, inspect
 from compshard.options import CompileOptions
 from compshard.predict.fake_world import FakeWorld, copy_model, fake_maker
+from compshard.predict.forecast_report import ShardKeywords
 from compshard.predict.peak_memory import peak_breakdown
-from compshard.predict.plan_report import ShardKeywords
 from compshard.predict.pricing import price_tensor_parallel, price_with_timings
 
 __all__ = ["Estimates", "estimate"]
@@ -68,12 +68,12 @@ def estimate(
             peaks = {name: peak_breakdown(gm, kinds[name] == "backward") for name, gm in schedule.graphs.items()}
             if "backward" not in kinds.values():
                 raise ValueError(
-                    "compshard.plan: the model's output does not require grad; plan predicts a training step"
+                    "compshard.forecast: the model's output does not require grad; forecast predicts a training step"
                 )
             price_with_timings(schedule, world.machine)
             tensor_parallel = price_tensor_parallel(schedule)
     finally:
-        torch._dynamo.reset()  # planning's compiled code (on fake tensors) is of no further use
+        torch._dynamo.reset()  # the forecast's compiled code (on fake tensors) is of no further use
     timelines = schedule.timelines
     return Estimates(
         peaks=peaks,

@@ -1,9 +1,9 @@
-"""The world a plan is made in: copies of the model whose tensors hold no data (meta, or
+"""The world a forecast is made in: copies of the model whose tensors hold no data (meta, or
 fake tensors the backend can trace), and a ``"fake"`` process group of N ranks in which
 they are sharded.
 
 torch's ``FakeProcessGroup`` makes this process rank 0 of a world of N and sends
-nothing; its groups are given the planned hardware's cost-model constants and collective
+nothing; its groups are given the forecast hardware's cost-model constants and collective
 backend, so the passes decide as they would on rank 0 of the real job (rank 0 holds the
 most rows of every parameter).
 """
@@ -24,8 +24,8 @@ from torch.distributed.tensor.parallel import parallelize_module
 from compshard import cost_model
 from compshard.comm.transport import simulated_backends
 from compshard.cost_model import Costs
+from compshard.predict.forecast_report import ShardKeywords
 from compshard.predict.hardware import Hardware, Measured
-from compshard.predict.plan_report import ShardKeywords
 from compshard.sharding import shard
 
 __all__ = ["FakeWorld", "copy_model", "fake_maker", "meta_like"]
@@ -54,7 +54,9 @@ def copy_model(model: nn.Module, make: Callable[[torch.Tensor], torch.Tensor]) -
     from compshard.sharding import is_sharded
 
     if is_sharded(model):
-        raise ValueError("compshard.plan: model is already sharded; pass the unsharded model (meta parameters will do)")
+        raise ValueError(
+            "compshard.forecast: model is already sharded; pass the unsharded model (meta parameters will do)"
+        )
     memo: dict[int, Any] = {}
     for param in model.parameters():
         memo.setdefault(id(param), nn.Parameter(make(param.detach()), requires_grad=param.requires_grad))

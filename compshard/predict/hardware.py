@@ -1,4 +1,4 @@
-"""Hardware that ``compshard.plan`` predicts for: presets with their sources, and ``"measured"``.
+"""Hardware that ``compshard.forecast`` predicts for: presets with their sources, and ``"measured"``.
 
 A preset holds a device's datasheet figures and the efficiencies assumed for them; it
 turns into the cost model's constants (:class:`~compshard.cost_model.Costs`) per process
@@ -14,12 +14,12 @@ group:
   then bounds every step of the ring.
 
 The efficiencies are assumptions, stated here and not fitted to any measurement that
-``compshard.plan`` is compared against (see
+``compshard.forecast`` is compared against (see
 ``benchmarks/results/plan_validation_cpu2core_202611.md``).
 
 ``"measured"`` (:func:`measure`) times what ``compshard.shard`` calibrates, on the current
 default process group (collective: every rank calls it) or, with no process group, this
-process's FLOP rate and per-op cost (planning one rank only), over many calls (a
+process's FLOP rate and per-op cost (forecasting one rank only), over many calls (a
 sustained rate: on a shared machine a few short timings see the CPU at full speed).
 """
 
@@ -91,7 +91,7 @@ class Hardware:
         if compute_dtype not in self.peak_flops:
             allowed = [str(d) for d in self.peak_flops]
             raise ValueError(
-                f"compshard.plan: hardware {self.name!r} has no FLOP rate for compute dtype "
+                f"compshard.forecast: hardware {self.name!r} has no FLOP rate for compute dtype "
                 f"{compute_dtype}; it knows {allowed}"
             )
         n = len(ranks)
@@ -178,9 +178,9 @@ class Measured:
     alone finds its data and code in cache; in the graph it follows other ops, allocates
     afresh, and the graph's own code runs between ops: the small benchmark GPT's graphs
     ran 1.1 to 1.6 times the sum of their ops alone), both scaled by how much faster the
-    calibration's matmul runs now than it did then (the planning process may have the
+    calibration's matmul runs now than it did then (the forecasting process may have the
     machine to itself, training ranks share it; a graph's runs by the matmul timed just
-    before and after them, so a load that changes during planning is followed), and
+    before and after them, so a load that changes during a forecast is followed), and
     ``step_tensor_seconds`` per parameter tensor for what a step does outside its graphs
     (guards, DTensor wrapping of parameters and gradients, gradient accumulation, AdamW's
     update), timed on a compiled model whose graph does almost nothing; and the update's
@@ -371,7 +371,7 @@ def sustained_seconds(fn: Callable[[], object], repeats: int) -> float:
 
 def measure(device: torch.device, world_size: int) -> Measured:
     """Time this machine (see :class:`Measured`): on the default process group when there
-    is one (collective: call on every rank), else this process's compute only (planning
+    is one (collective: call on every rank), else this process's compute only (forecasting
     ``world_size`` 1). Compiles a small model (a few seconds)."""
     world = dist.group.WORLD if dist.is_initialized() else None
     if world is not None:
@@ -379,8 +379,8 @@ def measure(device: torch.device, world_size: int) -> Measured:
         backend = str(dist.get_backend())
     elif world_size > 1:
         raise ValueError(
-            "compshard.plan: hardware='measured' calibrates the link on the current process group; "
-            f"initialize one (every rank calls plan) to plan for world_size={world_size}, or name a "
+            "compshard.forecast: hardware='measured' calibrates the link on the current process group; "
+            f"initialize one (every rank calls forecast) to forecast for world_size={world_size}, or name a "
             f"preset: {sorted(PRESETS)}"
         )
     else:
@@ -433,7 +433,7 @@ def resolve(hardware: str | Hardware | Measured, device: torch.device, world_siz
         return measure(device, world_size)
     if hardware not in PRESETS:
         raise ValueError(
-            f"compshard.plan: hardware={hardware!r} is not known; use 'measured', a Hardware, or one "
+            f"compshard.forecast: hardware={hardware!r} is not known; use 'measured', a Hardware, or one "
             f"of {sorted(PRESETS)}"
         )
     return PRESETS[hardware]

@@ -1,7 +1,7 @@
-"""Step time: the seconds a plan puts on a schedule beyond what the passes estimated.
+"""Step time: the seconds a forecast puts on a schedule beyond what the passes estimated.
 
 The passes estimate every op and collective of the backend's own (the cost model at the
-planned hardware's constants). Here: a ``"measured"`` machine's timings replace the
+forecast hardware's constants). Here: a ``"measured"`` machine's timings replace the
 compute estimates (each graph also run end to end, its ops scaled to that run); tensor
 parallelism's collectives, which the passes leave alone, are priced at their group's
 link; the optimizer's data-bound pass is priced (or timed); and the longest waits for

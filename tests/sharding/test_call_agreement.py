@@ -1,4 +1,4 @@
-"""Data-dependent calls of sharded modules are found, not trusted (compshard/call_agreement.py):
+"""Data-dependent calls of sharded modules are found, not trusted (compshard/sharding/call_agreement.py):
 a lone MoE layer whose ranks route to different experts fails on every rank within
 seconds with an error naming the module and ``gather_units``, compiled and uncompiled,
 never a transport abort or a silent mix of the ranks' rows; named in ``gather_units``,

@@ -1,7 +1,7 @@
 """Module conversions after ``shard`` (``.to``, ``.float()``, ``.double()``, ``.bfloat16()``,
 ``.cpu()``, ``.train()``, ``requires_grad_``): they answer as after FSDP2's ``fully_shard``,
 convert the shards in place, and later steps, ``full_state_dict`` and checkpoints see the
-converted parameters ([Note: conversions of a sharded module] in compshard/sharding.py)."""
+converted parameters ([Note: conversions of a sharded module] in compshard/sharding/conversions.py)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Models that do not fit: built on the meta device, sharded, materialized at 1/N with
 ``to_empty``, then initialized by their own code with a seed (the unsharded model's
-values: compshard/sharded_init.py) or loaded from the first rank's full weights with
-torch's ``set_model_state_dict``; either way they train as single-process eager training
+values: compshard/sharding/initial_values.py) or loaded from the first rank's full
+weights with torch's ``set_model_state_dict``; either way they train as single-process eager training
 from the same weights does, and setup never holds the whole model on a rank."""
 
 from __future__ import annotations

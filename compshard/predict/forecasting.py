@@ -1,4 +1,4 @@
-"""``compshard.plan``: predict per-rank memory and step time at N ranks, without the ranks.
+"""``compshard.forecast``: predict per-rank memory and step time at N ranks, without the ranks.
 
 How: a copy of the model whose parameters are fake tensors (shapes and dtypes, no
 storage) is sharded with ``compshard.shard`` over a ``"fake"`` process group
@@ -17,9 +17,9 @@ ranks, deciding with the cost model's constants for the chosen hardware
   rank 0's shard shapes instead of estimating them; see
   :class:`~compshard.predict.hardware.Measured`).
 
-A deep model is planned from shallower copies (:mod:`~compshard.predict.depth`).
+A deep model is forecast from shallower copies (:mod:`~compshard.predict.depth`).
 
-Planning runs in this process when no process group is initialized (it creates and
+A forecast runs in this process when no process group is initialized (it creates and
 destroys its own fake one, and resets Dynamo's caches afterwards); otherwise in a spawned
 subprocess, which needs the model's class importable there (with ``hardware="measured"``,
 on rank 0 only: every rank returns its report).
@@ -28,6 +28,7 @@ on rank 0 only: every rank returns its report).
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -42,20 +43,20 @@ from compshard.compile_plan import MiB
 from compshard.inspection import Report
 from compshard.options import CompileOptions
 from compshard.predict import hardware as hardware_presets
-from compshard.predict.depth import PLANNED_BLOCKS, Depth, extrapolated, stack_to_extrapolate
+from compshard.predict.depth import COMPILED_BLOCKS, Depth, extrapolated, stack_to_extrapolate
 from compshard.predict.estimates import Estimates, estimate
 from compshard.predict.fake_world import FakeWorld, copy_model, fake_maker, meta_like
+from compshard.predict.forecast_report import Forecast, GiB, MemoryEstimate, ShardKeywords, StepEstimate
 from compshard.predict.hardware import Hardware, Measured
-from compshard.predict.plan_report import GiB, MemoryEstimate, PlanReport, ShardKeywords, StepEstimate
 from compshard.predict.pricing import longest_waits, optimizer_seconds
 
-__all__ = ["default_candidates", "plan"]
+__all__ = ["default_candidates", "forecast", "plan"]
 
-Setup = tuple[ShardKeywords, CompileOptions]  # one configuration to plan
+Setup = tuple[ShardKeywords, CompileOptions]  # one configuration to forecast
 
 
 def default_candidates(world_size: int, devices_per_node: int) -> list[tuple[dict, dict]]:
-    """The (sharding, options) grid ``memory_budget_gib`` searches: each recompute policy
+    """The (sharding, options) grid ``peak_limit_mb`` searches: each recompute policy
     with full sharding, with parameters kept from forward to backward (``shard_grad_op``),
     and, beyond one node, with hybrid sharding over one node's devices."""
     strategies = ["full_shard", "shard_grad_op"]
@@ -68,7 +69,7 @@ def default_candidates(world_size: int, devices_per_node: int) -> list[tuple[dic
     ]
 
 
-def plan(
+def forecast(
     model: nn.Module,
     *example_inputs: Any,
     world_size: int,
@@ -80,12 +81,12 @@ def plan(
     tp_plan: Callable[[nn.Module], dict] | None = None,
     optimizer_states: int = 2,
     tokens_per_rank: int | None = None,
-    memory_budget_gib: float | None = None,
+    peak_limit_mb: float | None = None,
     candidates: Sequence[tuple[dict, dict]] | None = None,
     depth: Depth = "auto",
     **model_kwargs: Any,
-) -> PlanReport:
-    """Predict one training step of ``model`` at ``world_size`` ranks; see :class:`PlanReport`.
+) -> Forecast:
+    """Predict one training step of ``model`` at ``world_size`` ranks; see :class:`Forecast`.
 
     Args:
         model: the unsharded model; not modified. Its parameters may live on the meta
@@ -97,9 +98,9 @@ def plan(
         world_size: ranks in all (data-parallel ranks times ``tp``).
         hardware: a preset name (``compshard.predict.hardware.PRESETS``), a
             :class:`~compshard.predict.hardware.Hardware`, ``"measured"`` (this machine timed, on
-            the current process group: collective, call on every rank; rank 0 plans and
-            every rank returns its report; see :class:`~compshard.predict.hardware.Measured`), or
-            a ``Measured`` timed before (planned on each rank that calls).
+            the current process group: collective, call on every rank; rank 0 forecasts
+            and every rank returns its report; see :class:`~compshard.predict.hardware.Measured`), or
+            a ``Measured`` timed before (forecast on each rank that calls).
         options: backend options, as for ``torch.compile(..., options=...)``.
         sharding: ``compshard.shard`` keywords (``strategy``, ``param_dtype``,
             ``reduce_dtype``, ``reshard_after_forward``, ...); the mesh is built here.
@@ -108,7 +109,7 @@ def plan(
         tp, tp_plan: tensor parallelism in ``tp`` consecutive ranks (one node's, where
             ``tp`` divides its devices): ``tp_plan(model)`` returns the plan
             ``parallelize_module`` applies on the mesh's ``"tp"`` dimension (a function
-            defined at module level: planning under a process group pickles it), then the
+            defined at module level: a forecast under a process group pickles it), then the
             model is sharded over the ``world_size / tp`` data-parallel ranks, as
             ``docs/tensor_parallel.md`` describes. ``example_inputs`` are then one
             data-parallel rank's batch, shared by its ``tp`` ranks; tensor parallelism's
@@ -118,18 +119,19 @@ def plan(
             2; SGD with momentum: 1).
         tokens_per_rank: tokens per rank and step for tokens/s (default: the elements of
             the first integer tensor among the inputs).
-        memory_budget_gib: also plan ``candidates`` and recommend the fastest that fits
-            this many GiB per rank (each candidate is planned as the main configuration is).
+        peak_limit_mb: also forecast ``candidates`` and recommend the fastest whose
+            peak fits this many MiB per rank (MiB: the unit of every memory option;
+            each candidate is forecast as the main configuration is).
         candidates: (sharding, options) pairs laid over ``sharding`` and ``options``
             (default: :func:`default_candidates`).
         depth: ``"auto"``, ``"exact"`` or ``"extrapolate"`` (see :mod:`compshard.predict.depth`).
     """
-    _check_arguments(model, world_size, optimizer_states, memory_budget_gib, depth, shard_group_size)
+    _check_arguments(model, world_size, optimizer_states, peak_limit_mb, depth, shard_group_size)
     _check_tensor_parallel(tp, tp_plan, world_size)
     preset = hardware_presets.PRESETS.get(hardware) if isinstance(hardware, str) else hardware
     group_size = shard_group_size or getattr(preset, "devices_per_node", None) or world_size
     layers: list[tuple[dict, dict]] = [({}, {})]  # laid over sharding and options
-    if memory_budget_gib is not None:
+    if peak_limit_mb is not None:
         layers += candidates if candidates is not None else default_candidates(world_size // tp, group_size)
     setups = [
         _setup({**(sharding or {}), **more_sharding}, {**(options or {}), **more_options}, world_size, group_size, tp)
@@ -142,51 +144,64 @@ def plan(
     machine = hardware_presets.resolve(hardware, device, world_size)
     job = _Job(meta_model, inputs, machine, world_size, group_size, optimizer_states, tokens, depth, tp, tp_plan)
     if not dist.is_initialized():
-        reports = _plan_all(job, setups)
-    elif hardware == "measured":  # timed on every rank just now: they wait for rank 0's plan
-        reports = _planned_on_rank0(job, setups)
+        reports = _forecast_all(job, setups)
+    elif hardware == "measured":  # timed on every rank just now: they wait for rank 0's forecast
+        reports = _forecast_on_rank0(job, setups)
     else:
-        reports = _in_subprocess(_plan_all, job, setups)
+        reports = _in_subprocess(_forecast_all, job, setups)
     report = reports[0]
-    if memory_budget_gib is not None:
+    if peak_limit_mb is not None:
         report.candidates = reports[1:]
-        fitting = [r for r in report.candidates if r.fits(memory_budget_gib * GiB)]
+        fitting = [r for r in report.candidates if r.fits(peak_limit_mb * MiB)]
         report.recommended = min(fitting, key=lambda r: r.step.total, default=None)
     return report
+
+
+def plan(*example_inputs: Any, memory_budget_gib: float | None = None, **keywords: Any) -> Forecast:
+    """Deprecated name of :func:`forecast` (a *plan* is the compiler's; a forecast predicts);
+    ``memory_budget_gib`` is ``forecast``'s ``peak_limit_mb`` in GiB."""
+    warnings.warn(
+        "compshard.plan is deprecated: call compshard.forecast (memory_budget_gib=G is peak_limit_mb=G * 1024)",
+        FutureWarning,
+        stacklevel=2,
+    )
+    if memory_budget_gib is not None:
+        keywords["peak_limit_mb"] = memory_budget_gib * GiB / MiB
+    return forecast(*example_inputs, **keywords)
 
 
 def _check_arguments(
     model: Any,
     world_size: Any,
     optimizer_states: Any,
-    memory_budget_gib: Any,
+    peak_limit_mb: Any,
     depth: Any,
     shard_group_size: Any,
 ) -> None:
     if not isinstance(model, nn.Module):
-        raise TypeError(f"compshard.plan: model must be an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"compshard.forecast: model must be an nn.Module, got {type(model).__name__}")
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"compshard.plan: world_size must be an int >= 1, got {world_size!r}")
+        raise ValueError(f"compshard.forecast: world_size must be an int >= 1, got {world_size!r}")
     if not isinstance(optimizer_states, int) or optimizer_states < 0:
-        raise ValueError(f"compshard.plan: optimizer_states must be an int >= 0, got {optimizer_states!r}")
-    if memory_budget_gib is not None and not memory_budget_gib > 0:
-        raise ValueError(f"compshard.plan: memory_budget_gib must be a number > 0 or None, got {memory_budget_gib!r}")
+        raise ValueError(f"compshard.forecast: optimizer_states must be an int >= 0, got {optimizer_states!r}")
+    if peak_limit_mb is not None and not peak_limit_mb > 0:
+        raise ValueError(f"compshard.forecast: peak_limit_mb must be a number > 0 or None, got {peak_limit_mb!r}")
     if depth not in ("auto", "exact", "extrapolate"):
-        raise ValueError(f"compshard.plan: depth={depth!r} is not allowed; use 'auto', 'exact' or 'extrapolate'")
+        raise ValueError(f"compshard.forecast: depth={depth!r} is not allowed; use 'auto', 'exact' or 'extrapolate'")
     if shard_group_size is not None and (not isinstance(shard_group_size, int) or shard_group_size < 1):
-        raise ValueError(f"compshard.plan: shard_group_size must be an int >= 1 or None, got {shard_group_size!r}")
+        raise ValueError(f"compshard.forecast: shard_group_size must be an int >= 1 or None, got {shard_group_size!r}")
 
 
 def _check_tensor_parallel(tp: Any, tp_plan: Any, world_size: int) -> None:
     if not isinstance(tp, int) or isinstance(tp, bool) or tp < 1 or world_size % tp:
-        raise ValueError(f"compshard.plan: tp must be an int >= 1 dividing world_size={world_size}, got {tp!r}")
+        raise ValueError(f"compshard.forecast: tp must be an int >= 1 dividing world_size={world_size}, got {tp!r}")
     if tp > 1 and not callable(tp_plan):
         raise ValueError(
-            f"compshard.plan: tp={tp} needs tp_plan, a function of the model returning the plan "
+            f"compshard.forecast: tp={tp} needs tp_plan, a function of the model returning the plan "
             f"parallelize_module applies on mesh['tp'] (got {tp_plan!r})"
         )
     if tp == 1 and tp_plan is not None:
-        raise ValueError("compshard.plan: tp_plan is given but tp=1; pass tp=<tensor-parallel ranks>")
+        raise ValueError("compshard.forecast: tp_plan is given but tp=1; pass tp=<tensor-parallel ranks>")
 
 
 def _setup(sharding: dict, options: dict, world_size: int, group_size: int, tp: int) -> Setup:
@@ -195,13 +210,13 @@ def _setup(sharding: dict, options: dict, world_size: int, group_size: int, tp: 
     hybrid = keywords.strategy == "hybrid_shard"
     if hybrid and (group_size < 1 or world_size % group_size or group_size == world_size):
         raise ValueError(
-            f"compshard.plan: strategy='hybrid_shard' needs shard_group_size dividing world_size="
+            f"compshard.forecast: strategy='hybrid_shard' needs shard_group_size dividing world_size="
             f"{world_size} into more than one group, got {group_size}"
         )
     compile_options = CompileOptions.from_dict(options)
     if hybrid and tp > 1:
         raise ValueError(
-            "compshard.plan: strategy='hybrid_shard' with tp > 1 is not planned yet; plan "
+            "compshard.forecast: strategy='hybrid_shard' with tp > 1 is not forecast yet; forecast "
             "'full_shard' or 'shard_grad_op' over the world_size / tp data-parallel ranks"
         )
     return keywords, compile_options
@@ -211,12 +226,14 @@ def _count_tokens(inputs: Any) -> int:
     for leaf in torch.utils._pytree.tree_leaves(inputs):
         if isinstance(leaf, torch.Tensor) and not leaf.is_floating_point() and not leaf.is_complex():
             return leaf.numel()
-    raise ValueError("compshard.plan: no integer tensor among the inputs to count tokens from; pass tokens_per_rank")
+    raise ValueError(
+        "compshard.forecast: no integer tensor among the inputs to count tokens from; pass tokens_per_rank"
+    )
 
 
 @dataclass(frozen=True)
 class _Job:
-    """What every configuration of one ``plan`` call shares (picklable: a subprocess gets it)."""
+    """What every configuration of one ``forecast`` call shares (picklable: a subprocess gets it)."""
 
     meta_model: nn.Module
     inputs: tuple[tuple, dict]  # positional and keyword, meta tensors
@@ -245,16 +262,16 @@ def _in_subprocess(fn: Callable, *args: Any) -> Any:
     return result
 
 
-def _planned_on_rank0(job: _Job, setups: list[Setup]) -> list[PlanReport]:
-    """Rank 0 plans (in a subprocess) while the other ranks wait, then every rank returns
-    its reports or raises its error. Collective. With every rank planning, each planning
-    process timed its graphs while the others compiled, timed or idled in phases of their
+def _forecast_on_rank0(job: _Job, setups: list[Setup]) -> list[Forecast]:
+    """Rank 0 forecasts (in a subprocess) while the other ranks wait, then every rank returns
+    its reports or raises its error. Collective. With every rank forecasting, each
+    forecasting process timed its graphs while the others compiled, timed or idled in phases of their
     own; alone, rank 0's timings are scaled to the training load by the calibration matmul
     (timed while every rank ran it) against the same matmul timed around each graph."""
     outcome: list[Any] = [None]
     if dist.get_rank() == 0:
         try:
-            outcome[0] = _in_subprocess(_plan_all, job, setups)
+            outcome[0] = _in_subprocess(_forecast_all, job, setups)
         except Exception as error:  # noqa: BLE001 - raised on every rank below
             outcome[0] = error
     dist.broadcast_object_list(outcome, src=0)
@@ -263,13 +280,13 @@ def _planned_on_rank0(job: _Job, setups: list[Setup]) -> list[PlanReport]:
     return outcome[0]
 
 
-def _plan_all(job: _Job, setups: list[Setup]) -> list[PlanReport]:
+def _forecast_all(job: _Job, setups: list[Setup]) -> list[Forecast]:
     in_subprocess = torch.multiprocessing.current_process().name != "MainProcess"
-    reports = [_plan_setup(job, sharding, options) for sharding, options in setups]
+    reports = [_forecast_setup(job, sharding, options) for sharding, options in setups]
     return [replace(report, schedule=None) for report in reports] if in_subprocess else reports
 
 
-def _plan_setup(job: _Job, sharding: ShardKeywords, options: CompileOptions) -> PlanReport:
+def _forecast_setup(job: _Job, sharding: ShardKeywords, options: CompileOptions) -> Forecast:
     shard_size = job.group_size if sharding.strategy == "hybrid_shard" else job.world_size // job.tp
     compute_dtype = sharding.param_dtype or _parameter_dtype(job.meta_model)
     world = FakeWorld(job.world_size, shard_size, job.machine, compute_dtype, job.tp, job.tp_plan)
@@ -291,7 +308,7 @@ def _plan_setup(job: _Job, sharding: ShardKeywords, options: CompileOptions) -> 
     peak_graph = max(estimates.peaks, key=lambda graph: sum(estimates.peaks[graph].values()))
     bytes_per_second = job.machine.group_costs(range(shard_size), compute_dtype).bytes_per_second
     exposed = estimates.exposed_communication
-    return PlanReport(
+    return Forecast(
         world_size=job.world_size,
         hardware=job.machine.name,
         sharding=sharding,
@@ -318,7 +335,7 @@ def _plan_setup(job: _Job, sharding: ShardKeywords, options: CompileOptions) -> 
         ),
         memory_capacity=job.machine.memory_bytes,
         tp=job.tp,
-        extrapolated=None if stack is None else (PLANNED_BLOCKS[1], stack[1], stack[0]),
+        extrapolated=None if stack is None else (COMPILED_BLOCKS[1], stack[1], stack[0]),
         notes=_notes(schedule, options),
         schedule=schedule,
     )

@@ -1,5 +1,5 @@
-"""What ``compshard.plan`` returns: the :class:`PlanReport` of one configuration, its
-memory and step-time estimates, and the sharding keywords it was planned with; and the
+"""What ``compshard.forecast`` returns: the :class:`Forecast` of one configuration, its
+memory and step-time estimates, and the sharding keywords it was forecast with; and the
 report's text (``str(report)``).
 
 What the prediction leaves out: the allocator's caching and fragmentation, the
@@ -21,15 +21,15 @@ from compshard.inspection import Report
 from compshard.options import CompileOptions
 from compshard.sharding import STRATEGIES
 
-__all__ = ["GiB", "MemoryEstimate", "PlanReport", "ShardKeywords", "StepEstimate"]
+__all__ = ["GiB", "MemoryEstimate", "Forecast", "ShardKeywords", "StepEstimate"]
 
 GiB = 2**30
 
 
 @dataclass(frozen=True)
 class ShardKeywords:
-    """The ``compshard.shard`` keywords a configuration is planned with; the defaults are
-    ``shard``'s. The mesh is not among them: ``plan`` builds it."""
+    """The ``compshard.shard`` keywords a configuration is forecast with; the defaults are
+    ``shard``'s. The mesh is not among them: ``forecast`` builds it."""
 
     strategy: str = "full_shard"
     reshard_after_forward: bool | None = None
@@ -41,18 +41,19 @@ class ShardKeywords:
 
     @classmethod
     def from_dict(cls, keywords: Mapping[str, Any]) -> ShardKeywords:
-        """The keywords of a ``plan(sharding=...)`` dict; a ``ValueError`` names an
+        """The keywords of a ``forecast(sharding=...)`` dict; a ``ValueError`` names an
         unknown keyword or strategy."""
         allowed = [f.name for f in fields(cls)]
         unknown = sorted(set(keywords) - set(allowed))
         if unknown:
             raise ValueError(
-                f"compshard.plan: unknown sharding keyword(s) {unknown}; allowed: {allowed} (the mesh is built by plan)"
+                f"compshard.forecast: unknown sharding keyword(s) {unknown}; allowed: {allowed} "
+                "(the mesh is built by forecast)"
             )
         strategy = keywords.get("strategy", cls.strategy)
         if strategy not in STRATEGIES:
             raise ValueError(
-                f"compshard.plan: sharding strategy={strategy!r} is not allowed; use one of {list(STRATEGIES)}"
+                f"compshard.forecast: sharding strategy={strategy!r} is not allowed; use one of {list(STRATEGIES)}"
             )
         return cls(**keywords)
 
@@ -109,11 +110,11 @@ class StepEstimate:
 
 
 @dataclass
-class PlanReport:
-    """What ``compshard.plan`` predicts for one configuration. ``str(report)`` summarizes it.
+class Forecast:
+    """What ``compshard.forecast`` predicts for one configuration. ``str(report)`` summarizes it.
 
     Attributes:
-        world_size, hardware: what was planned for (``hardware``: the preset's name).
+        world_size, hardware: what was forecast for (``hardware``: the preset's name).
         sharding: the ``compshard.shard`` keywords used (:class:`ShardKeywords`);
             ``shard_size`` x ``replicate_size`` ranks (hybrid sharding: shard groups of
             ``shard_size``).
@@ -128,10 +129,10 @@ class PlanReport:
             when the estimates were extended from a shallower copy (see ``depth``).
         notes: what in the options holds the schedule back (e.g. buckets larger than
             ``max_inflight_mb``, whose gathers cannot be prefetched).
-        candidates: with ``memory_budget_gib``, a report per configuration tried.
+        candidates: with ``peak_limit_mb``, a report per configuration tried.
         recommended: the fastest candidate that fits the budget (None: none fits).
-        schedule: the :class:`~compshard.inspection.Report` planned on (the deeper copy when
-            extrapolated; None when planned in a subprocess).
+        schedule: the :class:`~compshard.inspection.Report` forecast on (the deeper copy when
+            extrapolated; None when forecast in a subprocess).
     """
 
     world_size: int
@@ -147,8 +148,8 @@ class PlanReport:
     tp: int = 1
     extrapolated: tuple[int, int, str] | None = None
     notes: list[str] = field(default_factory=list)
-    candidates: list[PlanReport] = field(default_factory=list)
-    recommended: PlanReport | None = None
+    candidates: list[Forecast] = field(default_factory=list)
+    recommended: Forecast | None = None
     schedule: Report | None = field(default=None, repr=False)
 
     @property
@@ -194,7 +195,7 @@ class PlanReport:
             compiled, blocks, stack = self.extrapolated
             extrapolated.append(f"extrapolated from {compiled} of the {blocks} blocks of '{stack}'")
         lines = [
-            f"compshard.plan: {self.world_size} ranks on {self.hardware}: {self.configuration()}",
+            f"compshard.forecast: {self.world_size} ranks on {self.hardware}: {self.configuration()}",
             *extrapolated,
             f"memory per rank (GiB), peak in {m.peak_graph}{capacity}:",
             self._memory_table(),

@@ -1,4 +1,4 @@
-"""compshard.plan: predicted memory against a measured run, and what a plan holds."""
+"""compshard.forecast: predicted memory against a measured run, and what a forecast holds."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from compshard.cost_model import Costs
 from compshard.models import GPT, GPTConfig
 from compshard.options import CompileOptions
 from compshard.predict import hardware
+from compshard.predict.forecast_report import ShardKeywords
 from compshard.predict.hardware import Measured
-from compshard.predict.plan_report import ShardKeywords
 from tests.distributed import run_distributed
 from tests.test_tensor_parallel import gpt_plan
 
@@ -61,7 +61,7 @@ def _measure_peak(rank: int, world_size: int):
 def test_predicted_peak_memory_is_within_10_percent_of_a_measured_run_at_world_size_2():
     measured = run_distributed(_measure_peak, 2)
     measured_peak = max(peak for peak, _ in measured)
-    report = compshard.plan(
+    report = compshard.forecast(
         _meta_gpt(MEASURED_GPT),
         *_local_batch(MEASURED_GPT, 0, 2),
         world_size=2,
@@ -71,7 +71,7 @@ def test_predicted_peak_memory_is_within_10_percent_of_a_measured_run_at_world_s
 
 
 class _DetachedOutput(torch.nn.Module):
-    """A model whose output does not require grad: planning it fails (a step needs a loss)."""
+    """A model whose output does not require grad: forecasting it fails (a step needs a loss)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -81,13 +81,13 @@ class _DetachedOutput(torch.nn.Module):
         return self.linear(x).detach()
 
 
-def _plan_measured_on_every_rank(rank: int, world_size: int):
-    """What each rank's compshard.plan(..., hardware="measured") returned or raised."""
-    report = compshard.plan(
+def _forecast_measured_on_every_rank(rank: int, world_size: int):
+    """What each rank's compshard.forecast(..., hardware="measured") returned or raised."""
+    report = compshard.forecast(
         _meta_gpt(FOUR_BLOCKS), *_local_batch(FOUR_BLOCKS, rank, world_size), world_size=world_size, hardware="measured"
     )
     try:
-        compshard.plan(
+        compshard.forecast(
             _DetachedOutput(), torch.ones(2, 4), world_size=world_size, hardware="measured", tokens_per_rank=2
         )
         error = None
@@ -96,19 +96,19 @@ def _plan_measured_on_every_rank(rank: int, world_size: int):
     return report.step.total, report.memory.peak, report.hardware, error
 
 
-def test_measured_plan_is_made_on_rank_0_and_every_rank_returns_it_or_its_error():
+def test_measured_forecast_is_made_on_rank_0_and_every_rank_returns_it_or_its_error():
     """Under a process group, ``hardware="measured"`` times the machine on every rank, then
-    rank 0 plans while the others wait: every rank returns rank 0's figures (timings taken
-    by one process differ from run to run, so equal figures mean one plan), and an error
-    in rank 0's planning is raised on every rank rather than leaving them waiting."""
-    results = run_distributed(_plan_measured_on_every_rank, 2, timeout=240)
+    rank 0 forecasts while the others wait: every rank returns rank 0's figures (timings taken
+    by one process differ from run to run, so equal figures mean one forecast), and an error
+    in rank 0's forecasting is raised on every rank rather than leaving them waiting."""
+    results = run_distributed(_forecast_measured_on_every_rank, 2, timeout=240)
     assert results[0][:3] == results[1][:3], results
     assert results[0][2] == "measured"
     for *_, error in results:
         assert error is not None and "does not require grad" in error, results
 
 
-_PLAN_UNDER_A_PROCESS_GROUP = """
+_FORECAST_UNDER_A_PROCESS_GROUP = """
 import torch
 import torch.distributed as dist
 
@@ -119,18 +119,18 @@ if __name__ == "__main__":
     dist.init_process_group("gloo", init_method="file://{store}", rank=0, world_size=1)
     model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=2, n_embd=32))
     tokens = torch.randint(0, 64, (2, 16))
-    compshard.plan(model, tokens, tokens, world_size=1, hardware="measured")
+    compshard.forecast(model, tokens, tokens, world_size=1, hardware="measured")
     dist.destroy_process_group()
 """
 
 
-def test_planning_in_a_subprocess_leaves_no_semaphore_behind(tmp_path):
-    """Under a process group the plan is made in a spawned worker. Killed once it had
+def test_forecasting_in_a_subprocess_leaves_no_semaphore_behind(tmp_path):
+    """Under a process group the forecast is made in a spawned worker. Killed once it had
     answered, the worker left the semaphore of tqdm's lock (torch.fx's Interpreter
     creates it while AOTAutograd traces) to the resource tracker, which warned of a
     leaked semaphore when the script exited (seen with ``hardware="measured"``)."""
-    script = tmp_path / "plan_under_a_process_group.py"
-    script.write_text(_PLAN_UNDER_A_PROCESS_GROUP.format(store=tmp_path / "store"))
+    script = tmp_path / "forecast_under_a_process_group.py"
+    script.write_text(_FORECAST_UNDER_A_PROCESS_GROUP.format(store=tmp_path / "store"))
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "leaked semaphore" not in done.stderr, done.stderr[-3000:]
@@ -141,22 +141,23 @@ def test_planning_in_a_subprocess_leaves_no_semaphore_behind(tmp_path):
 GATHER_BOUND_GPT = GPTConfig(vocab_size=256, block_size=2, n_layer=2, n_head=4, n_embd=256)
 
 
-def test_plan_counts_the_scratch_gloo_holds_for_collectives_in_flight():
+def test_forecast_counts_the_scratch_gloo_holds_for_collectives_in_flight():
     """The in-place all-to-all of a reduce-scatter on gloo holds every rank's rows of its
     buffer until the unpack, where NCCL's reduce-scatter output is one row; gloo also
-    receives into a temporary of the buffer's size until the wait (``memory_model.backend_scratch_bytes``). The plan's
-    breakdown was read after its fake process groups were gone, and then counted none of
-    that (the width-384 GPT at 4 ranks: 11 MiB, 10.6%, under its measured peak). The plan
-    builds each backend's collectives: on gloo a reduce-scatter is an all-to-all and a
+    receives into a temporary of the buffer's size until the wait
+    (``memory_model.backend_scratch_bytes``). The forecast's breakdown was read after its
+    fake process groups were gone, and then counted none of that (the width-384 GPT at 4
+    ranks: 11 MiB, 10.6%, under its measured peak). The forecast builds each backend's
+    collectives: on gloo a reduce-scatter is an all-to-all and a
     local sum and an all-gather sends and receives of the rows, on NCCL they are NCCL's
     own."""
     model = _meta_gpt(GATHER_BOUND_GPT)
     x, y = _local_batch(GATHER_BOUND_GPT, 0, 4)
 
-    def planned(backend: str):
-        return compshard.plan(model, x, y, world_size=4, hardware=Measured(Costs(), backend))
+    def forecast_for(backend: str):
+        return compshard.forecast(model, x, y, world_size=4, hardware=Measured(Costs(), backend))
 
-    through_gloo, on_nccl = planned("gloo"), planned("nccl")
+    through_gloo, on_nccl = forecast_for("gloo"), forecast_for("nccl")
     buffers = [report.memory.collective_buffers for report in (through_gloo, on_nccl)]
     assert buffers[0] > buffers[1], buffers
     for report, ops in (
@@ -167,7 +168,7 @@ def test_plan_counts_the_scratch_gloo_holds_for_collectives_in_flight():
             assert {c.op for c in report.schedule.collectives if c.kind == kind} == {op}, kind
 
 
-def test_measured_plan_scales_each_graphs_op_timings_to_its_run_end_to_end(monkeypatch):
+def test_measured_forecast_scales_each_graphs_op_timings_to_its_run_end_to_end(monkeypatch):
     """Ops timed alone add up to less than their graph run end to end (the small benchmark
     GPT's graphs: 1.1 to 1.6 times); ``"measured"`` runs each scheduled graph on random
     inputs, its collectives (gloo's all-to-all included) through the fake process group,
@@ -181,7 +182,7 @@ def test_measured_plan_scales_each_graphs_op_timings_to_its_run_end_to_end(monke
     recorded.__wrapped__ = Measured.graph_seconds
     monkeypatch.setattr(Measured, "graph_seconds", recorded)
     model = _meta_gpt(GATHER_BOUND_GPT)
-    report = compshard.plan(
+    report = compshard.forecast(
         model, *_local_batch(GATHER_BOUND_GPT, 0, 2), world_size=2, hardware=Measured(Costs(), "gloo")
     )
     assert set(runs) == set(report.schedule.graphs.values())
@@ -200,9 +201,9 @@ def test_measured_plan_scales_each_graphs_op_timings_to_its_run_end_to_end(monke
 
 def test_a_graph_run_is_scaled_by_the_load_timed_around_it(monkeypatch):
     """Each graph's run is scaled by the matmul rate timed just before and after it, not
-    by one reading for the whole plan: with every rank planning at 4 ranks on 2 cores, the
-    other planning processes compiled, timed or idled on their own, and a reading taken
-    once had the small benchmark GPT's 4-rank plan 37% under its measured step. Here the
+    by one reading for the whole forecast: with every rank forecasting at 4 ranks on 2 cores, the
+    other forecasting processes compiled, timed or idled on their own, and a reading taken
+    once had the small benchmark GPT's 4-rank forecast 37% under its measured step. Here the
     machine reads 10x faster around one graph's runs than at calibration, 10x slower
     around the next: the first run's seconds are multiplied by 10, the second's divided
     by 10. Each run of the graph (it does run) reads as 1 ms, so that no other process's
@@ -280,8 +281,8 @@ def test_measured_optimizer_is_scaled_by_the_load_around_it_or_left_to_the_estim
     assert machine.optimizer_seconds(shards, 2) is None
 
 
-def test_measured_plan_prices_the_optimizer_on_rank0s_shards(monkeypatch):
-    """With a ``Measured`` machine the plan's optimizer seconds are its timing of torch's
+def test_measured_forecast_prices_the_optimizer_on_rank0s_shards(monkeypatch):
+    """With a ``Measured`` machine the forecast's optimizer seconds are its timing of torch's
     optimizer on rank 0's shard shapes (on CPU AdamW's defaults make about 20 passes of a
     parameter's size, where the presets price one fused pass)."""
     timed = []
@@ -293,7 +294,7 @@ def test_measured_plan_prices_the_optimizer_on_rank0s_shards(monkeypatch):
     monkeypatch.setattr(Measured, "optimizer_seconds", recorded)
     cfg = GPTConfig(vocab_size=64, block_size=16, n_layer=1, n_head=4, n_embd=32)
     model = _meta_gpt(cfg)
-    report = compshard.plan(
+    report = compshard.forecast(
         model, *_local_batch(cfg, 0, 2), world_size=2, hardware=Measured(Costs(), "gloo"), optimizer_states=1
     )
     assert report.step.optimizer == 0.25
@@ -311,7 +312,7 @@ def _rank0_shard_bytes(model: torch.nn.Module, shard_size: int) -> int:
     return total
 
 
-# One collective per bucket (no collective joins two blocks), so a six-block plan
+# One collective per bucket (no collective joins two blocks), so a six-block forecast
 # extended from 3 and 4 blocks can be compared with the exact one.
 FOUR_BLOCKS = GPTConfig(vocab_size=64, block_size=16, n_layer=4, n_head=4, n_embd=32)
 SIX_BLOCKS = replace(FOUR_BLOCKS, n_layer=6)
@@ -319,27 +320,27 @@ UNJOINED = {"bucket_mb": 0.001}
 
 
 @pytest.fixture(scope="module")
-def plans():
+def forecasts():
     model = _meta_gpt(FOUR_BLOCKS)
     x, y = _local_batch(FOUR_BLOCKS, 0, 8)
-    exact = compshard.plan(
+    exact = compshard.forecast(
         model,
         x,
         y,
         world_size=16,
         options=UNJOINED,
         depth="exact",
-        memory_budget_gib=1.0,
+        peak_limit_mb=1024,
         candidates=[({}, {"recompute": "full"})],
     )
-    hybrid = compshard.plan(
+    hybrid = compshard.forecast(
         model, x, y, world_size=16, options=UNJOINED, sharding={"strategy": "hybrid_shard"}, depth="exact"
     )
     return model, x, exact, hybrid
 
 
-def test_plan_holds_rank0_shards_optimizer_state_and_a_consistent_step(plans):
-    model, x, full, hybrid = plans
+def test_forecast_holds_rank0_shards_optimizer_state_and_a_consistent_step(forecasts):
+    model, x, full, hybrid = forecasts
     assert full.memory.parameters == _rank0_shard_bytes(model, 16)
     assert hybrid.memory.parameters == _rank0_shard_bytes(model, 8)  # shard groups of one H100 node
     assert (hybrid.shard_size, hybrid.replicate_size) == (8, 2)
@@ -353,21 +354,21 @@ def test_plan_holds_rank0_shards_optimizer_state_and_a_consistent_step(plans):
     assert "all_reduce" in kinds and "all_reduce" not in {c.kind for c in full.schedule.collectives}
 
 
-def test_plan_extended_from_three_and_four_blocks_matches_the_exact_plan():
+def test_forecast_extended_from_three_and_four_blocks_matches_the_exact_plan():
     model = _meta_gpt(SIX_BLOCKS)
     x, y = _local_batch(SIX_BLOCKS, 0, 8)
-    exact = compshard.plan(model, x, y, world_size=16, options=UNJOINED, depth="exact")
-    extrapolated = compshard.plan(model, x, y, world_size=16, options=UNJOINED, depth="extrapolate")
+    exact = compshard.forecast(model, x, y, world_size=16, options=UNJOINED, depth="exact")
+    extrapolated = compshard.forecast(model, x, y, world_size=16, options=UNJOINED, depth="extrapolate")
     assert extrapolated.extrapolated == (4, 6, "blocks") and exact.extrapolated is None
     assert extrapolated.memory == exact.memory
     for name in ("forward", "backward", "communication", "exposed_communication", "optimizer"):
         assert getattr(extrapolated.step, name) == pytest.approx(getattr(exact.step, name), rel=0.01), name
 
 
-def test_plan_reports_the_sharding_keywords_with_shards_defaults(plans):
+def test_forecast_reports_the_sharding_keywords_with_shards_defaults(forecasts):
     """``report.sharding`` holds every keyword ``shard`` was called with: those given,
     and ``shard``'s own defaults for the rest."""
-    _, _, full, hybrid = plans
+    _, _, full, hybrid = forecasts
     assert (full.sharding.strategy, hybrid.sharding.strategy) == ("full_shard", "hybrid_shard")
     defaults = {
         name: parameter.default
@@ -377,8 +378,8 @@ def test_plan_reports_the_sharding_keywords_with_shards_defaults(plans):
     assert ShardKeywords().as_kwargs() == defaults
 
 
-def test_budget_recommends_the_fastest_fitting_candidate(plans):
-    report = plans[2]
+def test_budget_recommends_the_fastest_fitting_candidate(forecasts):
+    report = forecasts[2]
     assert [c.options for c in report.candidates] == [CompileOptions.from_dict({**UNJOINED, "recompute": "full"})]
     fitting = [c for c in report.candidates if c.memory.peak <= 2**30]
     assert report.recommended is min(fitting, key=lambda c: c.step.total)
@@ -404,31 +405,31 @@ def test_budget_recommends_the_fastest_fitting_candidate(plans):
                 "shard_group_size": 2,
                 "sharding": {"strategy": "hybrid_shard"},
             },
-            "'hybrid_shard' with tp > 1 is not planned yet",
+            "'hybrid_shard' with tp > 1 is not forecast yet",
         ),
     ],
 )
 def test_bad_arguments_name_the_option(kwargs, message):
     x, y = _local_batch(FOUR_BLOCKS, 0, 8)
     with pytest.raises(ValueError, match=message):
-        compshard.plan(_meta_gpt(FOUR_BLOCKS), x, y, **kwargs)
+        compshard.forecast(_meta_gpt(FOUR_BLOCKS), x, y, **kwargs)
 
 
 def test_extrapolating_needs_a_stack_of_four_identical_blocks():
     config = replace(FOUR_BLOCKS, n_layer=3)
     x, y = _local_batch(config, 0, 8)
     with pytest.raises(ValueError, match="depth='extrapolate' needs a ModuleList of at least 4 identical blocks"):
-        compshard.plan(_meta_gpt(config), x, y, world_size=8, depth="extrapolate")
+        compshard.forecast(_meta_gpt(config), x, y, world_size=8, depth="extrapolate")
 
 
-def test_plan_with_tensor_parallelism_splits_the_pieces_and_prices_tp_collectives():
-    """dp 4 x tp 2 at 8 ranks: the layers the plan covers are split over all 8 ranks, the
+def test_forecast_with_tensor_parallelism_splits_the_pieces_and_prices_tp_collectives():
+    """dp 4 x tp 2 at 8 ranks: the layers the forecast covers are split over all 8 ranks, the
     rest over the 4 data-parallel ones, and tensor parallelism's collectives are priced at
     the link between the tp ranks and shown with their group (two blocks: one compile)."""
     config = replace(FOUR_BLOCKS, n_layer=2)
     model = _meta_gpt(config)
     x, y = _local_batch(config, 0, 4)  # one data-parallel rank's batch
-    report = compshard.plan(model, x, y, world_size=8, tp=2, tp_plan=gpt_plan, depth="exact")
+    report = compshard.forecast(model, x, y, world_size=8, tp=2, tp_plan=gpt_plan, depth="exact")
     total = sum(p.numel() * p.element_size() for p in model.parameters())
     assert (report.tp, report.shard_size, report.replicate_size) == (2, 4, 1)
     assert total / 8 <= report.memory.parameters < total / 4
@@ -439,3 +440,15 @@ def test_plan_with_tensor_parallelism_splits_the_pieces_and_prices_tp_collective
     assert report.step.tensor_parallel == pytest.approx(sum(row.seconds for row in rows))
     assert 0 < report.step.compute < report.step.total - report.step.tensor_parallel
     assert "x tp 2" in str(report) and "tensor-parallel collectives" in str(report)
+
+
+def test_the_deprecated_names_warn_and_reach_forecast(monkeypatch):
+    from compshard.predict import forecasting
+
+    calls = []
+    monkeypatch.setattr(forecasting, "forecast", lambda *args, **keywords: calls.append((args, keywords)))
+    with pytest.warns(FutureWarning, match="compshard.forecast"):
+        compshard.plan("model", "x", world_size=4, memory_budget_gib=2)
+    assert calls == [(("model", "x"), {"world_size": 4, "peak_limit_mb": 2048})]
+    with pytest.warns(FutureWarning, match="compshard.Forecast"):
+        assert compshard.PlanReport is compshard.Forecast
