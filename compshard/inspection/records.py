@@ -38,7 +38,7 @@ class Collective(_ReadsByName):
     lists it."""
 
     graph: str
-    kind: str  # a COLLECTIVE_KINDS entry, or "free"
+    kind: str  # a COLLECTIVE_KINDS entry, "free", or "all_to_all" (expert parallelism's)
     unit: str  # the module of its first parameter
     bytes: int
     params: tuple[str, ...]

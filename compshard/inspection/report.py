@@ -25,7 +25,7 @@ from torch import fx
 
 from compshard import backend
 from compshard.compile_plan import COLLECTIVE_KINDS, CompilePlan, Freed, NodeMeta, RecomputePlan, node_meta
-from compshard.inspection.nodes import only_views, op_name, program_group
+from compshard.inspection.nodes import expert_exchange, only_views, op_name, program_group
 from compshard.inspection.records import BucketEntry, Collective, ScheduleRow
 from compshard.inspection.trace import chrome_trace
 from compshard.logs import format_mib
@@ -59,6 +59,10 @@ class Report:
             by ``+`` when buckets share the collective) and ``of`` (for frees:
             ``"buffer"``, the all-gather output, or ``"params"``, the bucket's unpacked
             parameters; None otherwise). Fields also read by name: ``c["kind"]``.
+            After them, one ``"all_to_all"`` per call of expert parallelism's
+            all-to-alls (``shard(experts=...)``: the tokens and outputs of one experts
+            module, forward or backward), its ``unit`` and ``bucket`` the experts module,
+            its ``bytes`` those sent to other ranks when the routing is even.
         buckets: one dict per bucket of every plan: ``name``, ``plan`` (its index in
             ``plans``), ``params``, ``bytes`` (gathered), ``keep_gathered`` and
             ``prefetch`` (graph name -> across how many all-gathers' uses its all-gather
@@ -148,6 +152,22 @@ class Report:
             for node in gm.graph.nodes
             if (meta := node_meta(node)).kind in _LISTED_KINDS
         ]
+        self.collectives += [
+            Collective(
+                graph=graph_name,
+                kind="all_to_all",
+                unit=exchange.layer,
+                bytes=exchange.bytes,
+                params=exchange.params,
+                node=node.name,
+                op=op_name(node),
+                bucket=exchange.layer,
+                of=None,
+            )
+            for graph_name, gm in self.graphs.items()
+            for node in gm.graph.nodes
+            if (exchange := expert_exchange(node)) is not None
+        ]
 
     def _bucket_label(self, meta: NodeMeta, graph_name: str) -> str:
         """The bucket(s) a scheduled node works on, joined by ``+``. A free names the
@@ -189,8 +209,13 @@ class Report:
         """One node's row: a scheduled node under its bucket(s), a program collective
         under its group, compute under none."""
         meta = node_meta(node)
-        kind = meta.kind or ("tp collective" if program_collective(node) else "compute")
-        bucket = self._bucket_label(meta, graph_name) if meta.kind else program_group(node)
+        exchange = expert_exchange(node)
+        if exchange is not None:
+            kind, bucket, nbytes = "expert all_to_all", f"{exchange.layer}: {exchange.group}", exchange.bytes
+        else:
+            kind = meta.kind or ("tp collective" if program_collective(node) else "compute")
+            bucket = self._bucket_label(meta, graph_name) if meta.kind else program_group(node)
+            nbytes = meta.bytes
         if kind == "free" and meta.freed:
             bucket += f" ({_FREED[meta.freed]})"
         return ScheduleRow(
@@ -199,7 +224,7 @@ class Report:
             kind=kind,
             bucket=bucket,
             ops=1,
-            bytes=meta.bytes,
+            bytes=nbytes,
             seconds=meta.seconds or 0.0,
             in_flight=in_flight,
             live_after=meta.live_bytes or 0,

@@ -16,7 +16,7 @@ from compshard.options import CompileOptions
 from compshard.predict.fake_world import FakeWorld, copy_model, fake_maker
 from compshard.predict.forecast_report import ShardKeywords
 from compshard.predict.peak_memory import peak_breakdown
-from compshard.predict.pricing import price_tensor_parallel, price_with_timings
+from compshard.predict.pricing import price_expert_parallel, price_tensor_parallel, price_with_timings
 
 __all__ = ["Estimates", "estimate"]
 
@@ -31,6 +31,7 @@ class Estimates:
     communication: float
     exposed_communication: float
     tensor_parallel: float  # seconds of tensor parallelism's collectives
+    expert_parallel: float  # seconds of expert parallelism's all-to-alls
 
     def extended(self, shallower: Estimates, blocks: int) -> Estimates:
         """``self`` plus ``blocks`` times the difference to ``shallower`` (one block fewer)."""
@@ -72,6 +73,7 @@ def estimate(
                 )
             price_with_timings(schedule, world.machine)
             tensor_parallel = price_tensor_parallel(schedule)
+            expert_parallel = price_expert_parallel(schedule)
     finally:
         torch._dynamo.reset()  # the forecast's compiled code (on fake tensors) is of no further use
     timelines = schedule.timelines
@@ -82,4 +84,5 @@ def estimate(
         communication=sum(t.comm for t in timelines.values()),
         exposed_communication=sum(t.exposed_comm for t in timelines.values()),
         tensor_parallel=tensor_parallel,
+        expert_parallel=expert_parallel,
     ), schedule

@@ -95,16 +95,28 @@ class FakeWorld:
                 mesh = init_device_mesh("cpu", (self.world_size,))
             else:  # hybrid sharding: (replicate, shard)
                 mesh = init_device_mesh("cpu", (self.world_size // self.shard_size, self.shard_size))
+            expert_mesh = None
+            if sharding.expert_parallel_size not in (None, self.world_size):
+                ep = sharding.expert_parallel_size
+                expert_mesh = init_device_mesh("cpu", (ep, self.world_size // ep), mesh_dim_names=("ep", "dp_shard"))
             groups = {mesh.get_group(dim) for dim in range(mesh.ndim)}
-            costs: dict[str, Costs] = {
-                g.group_name: self.machine.group_costs(dist.get_process_group_ranks(g), self.compute_dtype)
-                for g in groups
-            }
-            with cost_model.assumed(costs), simulated_backends(dict.fromkeys(costs, self.machine.collective_backend)):
+            groups |= {expert_mesh.get_group(dim) for dim in range(2)} if expert_mesh is not None else set()
+            with self._assumed_costs(groups):
                 if self.tp_plan is not None:
                     parallelize_module(model, mesh["tp"], self.tp_plan(model))
                     mesh = mesh["dp"]
-                shard(model, mesh=mesh, **sharding.as_kwargs())
-                yield
+                before = set(dist.distributed_c10d._world.pg_names)
+                shard(model, mesh=mesh, expert_mesh=expert_mesh, **sharding.as_kwargs())
+                with self._assumed_costs(set(dist.distributed_c10d._world.pg_names) - before):  # the experts' own
+                    yield
         finally:
             dist.destroy_process_group()
+
+    @contextlib.contextmanager
+    def _assumed_costs(self, groups: set[dist.ProcessGroup]) -> Iterator[None]:
+        """Inside: ``groups`` have this machine's constants and collective backend."""
+        costs: dict[str, Costs] = {
+            g.group_name: self.machine.group_costs(dist.get_process_group_ranks(g), self.compute_dtype) for g in groups
+        }
+        with cost_model.assumed(costs), simulated_backends(dict.fromkeys(costs, self.machine.collective_backend)):
+            yield

@@ -29,7 +29,8 @@ GiB = 2**30
 @dataclass(frozen=True)
 class ShardKeywords:
     """The ``compshard.shard`` keywords a configuration is forecast with; the defaults are
-    ``shard``'s. The mesh is not among them: ``forecast`` builds it."""
+    ``shard``'s. The meshes are not among them: ``forecast`` builds them, the expert
+    mesh from ``expert_parallel_size`` (``None``: the experts split over every rank)."""
 
     strategy: str = "full_shard"
     reshard_after_forward: bool | None = None
@@ -38,6 +39,9 @@ class ShardKeywords:
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
     buffer_dtype: torch.dtype | None = None
+    experts: tuple[str, ...] | None = None
+    expert_parallel_size: int | None = None
+    expert_capacity_factor: float | None = None
 
     @classmethod
     def from_dict(cls, keywords: Mapping[str, Any]) -> ShardKeywords:
@@ -55,11 +59,15 @@ class ShardKeywords:
             raise ValueError(
                 f"compshard.forecast: sharding strategy={strategy!r} is not allowed; use one of {list(STRATEGIES)}"
             )
+        experts = keywords.get("experts")
+        if experts is not None and not isinstance(experts, str):
+            keywords = {**keywords, "experts": tuple(experts)}
         return cls(**keywords)
 
     def as_kwargs(self) -> dict[str, Any]:
-        """These keywords, as ``compshard.shard(module, **keywords)`` takes them."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
+        """These keywords, as ``compshard.shard(module, **keywords)`` takes them (all but
+        ``expert_parallel_size``, which the expert mesh says)."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "expert_parallel_size"}
 
 
 @dataclass(frozen=True)
@@ -103,6 +111,7 @@ class StepEstimate:
     exposed_communication: float  # compute waiting for collectives
     exposed_waits: tuple[tuple[str, str, float], ...] = ()  # (graph, bucket or unit, seconds), largest first
     tensor_parallel: float = 0.0  # tensor parallelism's collectives, on the critical path (compute waits for each)
+    expert_parallel: float = 0.0  # expert parallelism's all-to-alls, on the critical path too
 
     @property
     def total(self) -> float:
@@ -177,9 +186,14 @@ class Forecast:
         dtype = self.sharding.param_dtype
         chosen = {f.name: value for f in fields(self.options) if (value := getattr(self.options, f.name)) != f.default}
         options = ", ".join(f"{k}={v}" for k, v in chosen.items()) or "default options"
+        experts = ""
+        if self.sharding.experts:
+            ep = self.sharding.expert_parallel_size or self.world_size // self.tp
+            experts = f", experts split over {ep}"
         return (
             f"{self.sharding.strategy} (shard {self.shard_size} x replicate {self.replicate_size}"
-            f"{f' x tp {self.tp}' if self.tp > 1 else ''}{f', param_dtype {dtype}' if dtype else ''}), {options}"
+            f"{f' x tp {self.tp}' if self.tp > 1 else ''}{f', param_dtype {dtype}' if dtype else ''}{experts}), "
+            f"{options}"
         )
 
     def __str__(self) -> str:
@@ -204,7 +218,8 @@ class Forecast:
             f"critical path: compute {s.compute * 1e3:.1f} ms + exposed communication "
             f"{s.exposed_communication * 1e3:.1f} ms ({self.communication_share:.1%} of the step; all collectives "
             f"{s.communication * 1e3:.1f} ms)"
-            + (f" + tensor-parallel collectives {s.tensor_parallel * 1e3:.1f} ms" if self.tp > 1 else ""),
+            + (f" + tensor-parallel collectives {s.tensor_parallel * 1e3:.1f} ms" if self.tp > 1 else "")
+            + (f" + expert all-to-alls {s.expert_parallel * 1e3:.1f} ms" if s.expert_parallel else ""),
             f"tokens/s: {self.tokens_per_second_per_rank:,.0f} per rank, {self.tokens_per_second:,.0f} in all",
         ]
         waits = "; ".join(f"{graph} {what} {seconds * 1e3:.1f} ms" for graph, what, seconds in s.exposed_waits)

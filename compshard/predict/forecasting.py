@@ -327,11 +327,16 @@ def _forecast_setup(job: _Job, sharding: ShardKeywords, options: CompileOptions)
             backward=estimates.backward,
             optimizer=optimizer_seconds(job.machine, shards, params, job.optimizer_states, bytes_per_second),
             outside_graphs=tensors * job.machine.step_tensor_seconds,
-            compute=estimates.forward + estimates.backward - exposed - estimates.tensor_parallel,
+            compute=estimates.forward
+            + estimates.backward
+            - exposed
+            - estimates.tensor_parallel
+            - estimates.expert_parallel,
             communication=estimates.communication,
             exposed_communication=exposed,
             exposed_waits=longest_waits(schedule),
             tensor_parallel=estimates.tensor_parallel,
+            expert_parallel=estimates.expert_parallel,
         ),
         memory_capacity=job.machine.memory_bytes,
         tp=job.tp,

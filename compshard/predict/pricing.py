@@ -19,12 +19,13 @@ from compshard import cost_model
 from compshard.compile_plan import COLLECTIVE_KINDS, node_meta, set_node_meta
 from compshard.cost_model import collective_seconds
 from compshard.inspection import Report
+from compshard.inspection.nodes import expert_exchange
 from compshard.passes.fx_utils import op_arg, program_collective
 from compshard.predict.hardware import Hardware, Measured
 from compshard.sizes import nbytes
 from compshard.timeline import simulate
 
-__all__ = ["longest_waits", "optimizer_seconds", "price_tensor_parallel", "price_with_timings"]
+__all__ = ["longest_waits", "optimizer_seconds", "price_expert_parallel", "price_tensor_parallel", "price_with_timings"]
 
 _PROGRAM_COLLECTIVE_KINDS = {"all_reduce": "all_reduce", "reduce_scatter_tensor": "reduce_scatter"}
 
@@ -76,6 +77,30 @@ def price_tensor_parallel(schedule: Report) -> float:
                 seconds = collective_seconds(moved, cost_model.costs_for(op_arg(node, "group_name")), kind)
                 set_node_meta(node, seconds=seconds)
                 total += seconds
+    if total:
+        _simulate_again(schedule)
+    return total
+
+
+def price_expert_parallel(schedule: Report) -> float:
+    """Price expert parallelism's calls (:func:`compshard.inspection.nodes.expert_exchange`):
+    their all-to-alls at their group's constants, the bytes an even routing sends (three
+    rounds forward, counts included; two backward), and the local experts' matmuls at the
+    group's FLOP rate (2 FLOPs per expert weight and routed pair forward; three times that
+    backward, which recomputes the forward). They stay on the compute stream (the op waits
+    for each round). Returns the all-to-alls' seconds in all. Call inside the fake world."""
+    total = 0.0
+    for gm in schedule.graphs.values():
+        for node in gm.graph.nodes:
+            exchange = expert_exchange(node)
+            if exchange is None:
+                continue
+            costs = cost_model.costs_for(exchange.group_name)
+            rounds = 2 if exchange.backward else 3
+            moved = rounds * costs.alpha + exchange.bytes * costs.beta
+            flops = 2 * exchange.pairs * exchange.weights_per_expert * (3 if exchange.backward else 1)
+            set_node_meta(node, seconds=moved + flops / costs.flops_per_second)
+            total += moved
     if total:
         _simulate_again(schedule)
     return total

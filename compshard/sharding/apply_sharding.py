@@ -20,6 +20,7 @@ sharded Parameter is registered under every name the original was.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections.abc import Sequence
@@ -36,6 +37,14 @@ from compshard.comm import liveness
 from compshard.comm.layout import group_size
 from compshard.sharding.arguments import Groups, Resolved, resolve
 from compshard.sharding.conversions import install_sharded_class
+from compshard.sharding.experts import (
+    ExpertGroups,
+    check_experts_compose,
+    expert_spec,
+    install_expert_forwards,
+    resolve_experts,
+    shard_expert_param,
+)
 from compshard.sharding.grad_routing import local_tensor, register_model, route_local_gradients
 from compshard.sharding.grad_sync import GradSync
 from compshard.sharding.initial_values import broadcast_from_first_rank
@@ -59,6 +68,9 @@ def shard(
     buffer_dtype: torch.dtype | None = None,
     offload: bool = False,
     gather_units: Sequence[str] | None = None,
+    experts: Sequence[str] | None = None,
+    expert_mesh: DeviceMesh | None = None,
+    expert_capacity_factor: float | None = None,
 ) -> nn.Module:
     """Shard ``module``'s parameters across the data-parallel ranks, in place; return it.
 
@@ -102,6 +114,22 @@ def shard(
             tokens routed to them) must lie inside a unit that every rank calls: inside a
             repeated block it does; a lone MoE layer outside any block needs its pattern
             here. The trade-off is memory: a unit's parameters are all gathered while it runs.
+        experts: module-name patterns (``fnmatch``, e.g. ``["model.layers.*.mlp.experts"]``)
+            of mixture-of-experts modules whose experts are split across the ranks
+            (expert parallelism) instead of gathered: each rank holds its experts, and the
+            tokens routed to them travel by all-to-all (``docs/expert_parallel.md``). A
+            matched module holds every expert's weights with a leading expert dimension
+            (divisible by the number of ranks) and is called as
+            ``experts(hidden_states, top_k_index, top_k_weights)``, as transformers' fused
+            experts are. Not with ``gather_units`` on the same module.
+        expert_mesh: with ``experts``: a 2-D mesh ``("ep", "dp_shard")`` of the
+            data-parallel ranks for an expert-parallel group smaller than them: experts
+            split over ``"ep"``, each block sharded (gathered per use) over ``"dp_shard"``.
+            ``None``: expert parallelism over every data-parallel rank.
+        expert_capacity_factor: with ``experts``: a rank sends an expert at most
+            ``ceil(factor * tokens * top_k / experts)`` of its tokens per call, dropping
+            the rest (their output from that expert is zero). ``None``: none dropped,
+            the unsplit model's result.
 
     Collective: parameters and buffers are first broadcast from the mesh's first rank (as
     DDP does), so ranks may start from different initializations; the first call on a
@@ -126,18 +154,31 @@ def shard(
         offload,
         gather_units,
     )
+    expert_groups = resolve_experts(
+        module, experts, expert_mesh, expert_capacity_factor, resolved.mesh, strategy, gather_units
+    )
+    if expert_groups is not None:
+        check_experts_compose(resolved, expert_groups)
+        resolved = dataclasses.replace(
+            resolved,
+            config=dataclasses.replace(
+                resolved.config, experts=expert_groups.patterns, expert_parallel_size=expert_groups.ep_size
+            ),
+        )
     if resolved.mesh is not None:
         liveness.start()  # from here on, a rank that fails or dies is noticed by the others' waits
         broadcast_from_first_rank(module, resolved.mesh)
         _calibrate(resolved)
     grad_sync = GradSync()
     register_model(grad_sync)
-    _shard_parameters(module, resolved, grad_sync)
+    _shard_parameters(module, resolved, grad_sync, expert_groups)
     if not has_state(module):
         module._compshard = ModuleState(grad_sync)  # type: ignore[assignment]  # any value; stubs: Tensor | Module
     state_of(module).config = resolved.config
     install_gather_units(module, resolved.config.gather_units or ())
     install_forward_scopes(module)
+    if expert_groups is not None:
+        install_expert_forwards(expert_groups)
     _cast_buffers(module, resolved.config.buffer_dtype)
     _refuse_stale_optimizers()
     _install_casts(module, resolved.config)
@@ -181,11 +222,17 @@ def _calibrate(resolved: Resolved) -> None:
             cost_model.calibrate(group_name, torch.device(resolved.mesh.device_type))
 
 
-def _shard_parameters(module: nn.Module, resolved: Resolved, grad_sync: GradSync) -> None:
+def _shard_parameters(
+    module: nn.Module, resolved: Resolved, grad_sync: GradSync, expert_groups: ExpertGroups | None
+) -> None:
     """Replace every parameter of ``module`` by its shard at rest, recording each module's
-    specs in its state (a tied parameter: one shard under each of its names)."""
+    specs in its state (a tied parameter: one shard under each of its names). The
+    parameters of experts modules split across ranks are sharded as
+    :mod:`compshard.sharding.experts` says."""
     groups, config = resolved.groups, resolved.config
     tp_layouts = tensor_parallel.layouts(module, resolved.mesh, groups.placements)
+    split = {} if expert_groups is None or expert_groups.ep_size == 1 else expert_groups.modules
+    expert_modules = {id(sub) for sub in split.values()}
     sharded: dict[int, tuple[nn.Parameter, ParamSpec, tensor_parallel.TensorParallelLayout | None]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         names = tuple(name for name, p in sub._parameters.items() if p is not None)
@@ -196,18 +243,24 @@ def _shard_parameters(module: nn.Module, resolved: Resolved, grad_sync: GradSync
             original = sub._parameters[name]
             if id(original) not in sharded:
                 layout = tp_layouts.get(id(original))
-                spec = ParamSpec(
-                    fqn=f"{prefix}.{name}" if prefix else name,
-                    full_shape=tuple(original.shape if layout is None else original._local_tensor.shape),
-                    world_size=groups.shard_size,
-                    group_name=groups.shard_group,
-                    param_dtype=config.param_dtype,
-                    reduce_dtype=config.reduce_dtype,
-                    reshard_after_forward=config.reshard_after_forward,
-                    replicate_group=groups.replicate_group,
-                    compute_device=resolved.compute_device,
-                )
-                at_rest = _shard_param(original, spec, resolved.mesh, groups, layout)
+                fqn = f"{prefix}.{name}" if prefix else name
+                if id(sub) in expert_modules:
+                    assert expert_groups is not None and resolved.mesh is not None
+                    spec = expert_spec(fqn, original, expert_groups, config)
+                    at_rest = shard_expert_param(original, spec, resolved.mesh, expert_groups)
+                else:
+                    spec = ParamSpec(
+                        fqn=fqn,
+                        full_shape=tuple(original.shape if layout is None else original._local_tensor.shape),
+                        world_size=groups.shard_size,
+                        group_name=groups.shard_group,
+                        param_dtype=config.param_dtype,
+                        reduce_dtype=config.reduce_dtype,
+                        reshard_after_forward=config.reshard_after_forward,
+                        replicate_group=groups.replicate_group,
+                        compute_device=resolved.compute_device,
+                    )
+                    at_rest = _shard_param(original, spec, resolved.mesh, groups, layout)
                 sharded[id(original)] = (at_rest, spec, layout)
                 grad_sync.specs[spec.fqn] = spec
                 if isinstance(at_rest, DTensor):

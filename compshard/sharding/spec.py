@@ -30,6 +30,8 @@ class ShardingConfig:
     pinned CPU memory, the optimizer stepping on CPU) or ``"nothing_to_offload"`` (asked
     for on a CPU-only run, where everything already lives in CPU memory).
     ``gather_units``: the patterns given (``None``: repeated blocks only).
+    ``experts``: the patterns of experts modules split across ranks (``None``: none);
+    ``expert_parallel_size``: over how many ranks their experts are split.
     """
 
     strategy: str
@@ -43,6 +45,8 @@ class ShardingConfig:
     buffer_dtype: torch.dtype | None
     offload: str
     gather_units: tuple[str, ...] | None
+    experts: tuple[str, ...] | None = None
+    expert_parallel_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,8 @@ class ModuleState:
     ``unit_path`` (its path in the model), ``members`` (what it gathers on entry),
     ``compiled_reads`` (the same, written out for compiled calls; None when a member takes
     the general read path), ``calls`` (the tensors gathered for each open call, innermost
-    last). Of the root: ``config``. Shared by every module of one model: ``grad_sync`` and
+    last). Of an experts module split across ranks: ``expert_layer`` (its key in
+    :mod:`compshard.comm.expert_ops`). Of the root: ``config``. Shared by every module of one model: ``grad_sync`` and
     ``forward``."""
 
     grad_sync: GradSync
@@ -79,6 +80,7 @@ class ModuleState:
     compiled_reads: tuple[MemberReads, ...] | None = None
     calls: list[dict[str, torch.Tensor]] = field(default_factory=list)
     config: ShardingConfig | None = None
+    expert_layer: str | None = None
 
 
 def has_state(module: nn.Module) -> bool:

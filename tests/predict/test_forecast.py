@@ -452,3 +452,26 @@ def test_the_deprecated_names_warn_and_reach_forecast(monkeypatch):
     assert calls == [(("model", "x"), {"world_size": 4, "peak_limit_mb": 2048})]
     with pytest.warns(FutureWarning, match="compshard.Forecast"):
         assert compshard.PlanReport is compshard.Forecast
+
+
+def test_forecast_with_split_experts_prices_their_all_to_alls():
+    """transformers' Qwen3-MoE (tiny) at 4 ranks, its experts split over 4 and over 2 (dp 2
+    x ep 2): each layer's all-to-alls are priced forward and backward, an expert-parallel
+    group of 2 sends a smaller share of the tokens to other ranks (1/2, not 3/4), and the
+    parameters at rest are 1/4 of the model's either way."""
+    from tests.sharding.test_expert_parallel import EXPERTS, build_qwen3_moe
+
+    model, batch = build_qwen3_moe()
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    reports = {
+        ep: compshard.forecast(model, *batch, world_size=4, sharding={"experts": EXPERTS, "expert_parallel_size": ep})
+        for ep in (4, 2)
+    }
+    for ep, report in reports.items():
+        rows = [row for row in report.schedule.rows() if row.kind == "expert all_to_all"]
+        assert [row.graph for row in rows] == ["forward"] * 2 + ["backward"] * 2
+        assert all(row.seconds > 0 for row in rows)
+        assert 0 < report.step.expert_parallel < sum(row.seconds for row in rows)  # the matmuls are compute
+        assert f"experts split over {ep}" in str(report) and "expert all-to-alls" in str(report)
+        assert report.memory.parameters == pytest.approx(total / 4, rel=0.01)
+    assert reports[2].step.expert_parallel < reports[4].step.expert_parallel
