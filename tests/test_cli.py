@@ -18,6 +18,7 @@ SCRIPTS = [
     "bench_recompute.py",
     "bench_kernels.py",
     "bench_plan.py",
+    "bench_moe.py",
     "profile_step.py",
 ]
 

@@ -22,13 +22,14 @@ conversions of those modules go through this package. Its modules, in import ord
 
 from __future__ import annotations
 
-from compshard.sharding.apply_sharding import applied_config, is_sharded, param_specs, shard, sharding_config
+from compshard.sharding.apply_sharding import applied_config, param_specs, shard, sharding_config
 from compshard.sharding.arguments import note_compiled_before_shard
 from compshard.sharding.call_agreement import CallMismatchError
 from compshard.sharding.conversions import plain_class
 from compshard.sharding.grad_routing import move_local_gradients
 from compshard.sharding.grad_sync import no_sync, reduce_accumulated_gradients, set_requires_gradient_sync
 from compshard.sharding.spec import STRATEGIES, ParamSpec, ShardingConfig, Strategy
+from compshard.sharding.state import is_sharded
 from compshard.sharding.step_gather import gathered_for_step
 
 __all__ = [

@@ -20,7 +20,6 @@ sharded Parameter is registered under every name the original was.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import weakref
 from collections.abc import Sequence
@@ -37,14 +36,7 @@ from compshard.comm import liveness
 from compshard.comm.layout import group_size
 from compshard.sharding.arguments import Groups, Resolved, resolve
 from compshard.sharding.conversions import install_sharded_class
-from compshard.sharding.experts import (
-    ExpertGroups,
-    check_experts_compose,
-    expert_spec,
-    install_expert_forwards,
-    resolve_experts,
-    shard_expert_param,
-)
+from compshard.sharding.experts import expert_spec, install_expert_forwards, shard_expert_param
 from compshard.sharding.grad_routing import local_tensor, register_model, route_local_gradients
 from compshard.sharding.grad_sync import GradSync
 from compshard.sharding.initial_values import broadcast_from_first_rank
@@ -52,7 +44,7 @@ from compshard.sharding.reads import install_forward_scopes, install_gather_unit
 from compshard.sharding.spec import ParamSpec, ShardingConfig, Strategy
 from compshard.sharding.state import ModuleState, has_state, state_of
 
-__all__ = ["applied_config", "is_sharded", "param_specs", "shard", "sharding_config"]
+__all__ = ["applied_config", "param_specs", "shard", "sharding_config"]
 
 
 def shard(
@@ -78,23 +70,18 @@ def shard(
         mesh: the data-parallel ranks. ``None``: the default process group, or a single
             rank when none is initialized. A 1-D mesh, or for ``"hybrid_shard"`` a 2-D mesh
             whose dimensions are (replicate, shard).
-        strategy: ``"full_shard"`` (ZeRO-3): parameters, gradients and optimizer state
-            split across the ranks, parameters gathered for each use.
-            ``"shard_grad_op"`` (ZeRO-2): as full_shard, but gathered parameters stay from
-            forward to backward (one all-gather per step instead of two; the whole model's
-            parameters held at the peak). ``"no_shard"`` (DDP): every rank holds everything;
-            gradients are all-reduced. ``"hybrid_shard"``: split within each group of the
-            mesh's shard dimension, replicated across its replicate dimension: all-gathers
-            stay within a shard group; gradients are reduce-scattered within it, then
-            all-reduced across replicas.
+        strategy: ``"full_shard"`` (ZeRO-3: parameters, gradients and optimizer state
+            split, parameters gathered for each use), ``"shard_grad_op"`` (ZeRO-2: gathered
+            parameters kept from forward to backward), ``"no_shard"`` (DDP: gradients
+            all-reduced) or ``"hybrid_shard"`` (split within the mesh's shard dimension,
+            replicated across its replicate one); the trade-offs: ``docs/training.md``.
         reshard_after_forward: free gathered parameters after their last forward use and
             gather them again in backward. ``None``: as the strategy says (``False`` for
             ``"shard_grad_op"``, ``True`` otherwise).
         param_dtype: dtype parameters are gathered and computed in (``None``: their own).
             Shards stay in their dtype: they are the optimizer's master weights.
         reduce_dtype: dtype gradients are reduced (and accumulated, under ``no_sync``) in
-            (``None``: the gradient's, i.e. ``param_dtype``'s). Gradients land on the shards
-            in the shards' dtype.
+            (``None``: the gradient's); they land on the shards in the shards' dtype.
         output_dtype: cast the module's floating-point outputs to this dtype (``None``: no
             cast).
         cast_forward_inputs: with ``param_dtype`` set, cast the module's floating-point
@@ -105,31 +92,20 @@ def shard(
             CPU memory, the optimizer stepping on CPU; each use copies the shard to the GPU
             first. CUDA only: on a CPU-only run it is accepted with a warning, and
             ``sharding_config(module).offload`` is ``"nothing_to_offload"``.
-        gather_units: module-name patterns (``fnmatch``, e.g. ``["moe"]``, ``["layers.*"]``)
-            of modules that gather every parameter beneath them on entry to each call
-            (the outermost match wins; every pattern must match a module). Beneath the
-            other modules, each repeated block (``layers.3``) is such a unit, as FSDP2
-            gathers per wrapped block. A module that the data decide to call on some
-            ranks only (experts held as modules of a ``ModuleList``, called for the
-            tokens routed to them) must lie inside a unit that every rank calls: inside a
-            repeated block it does; a lone MoE layer outside any block needs its pattern
-            here. The trade-off is memory: a unit's parameters are all gathered while it runs.
-        experts: module-name patterns (``fnmatch``, e.g. ``["model.layers.*.mlp.experts"]``)
-            of mixture-of-experts modules whose experts are split across the ranks
-            (expert parallelism) instead of gathered: each rank holds its experts, and the
-            tokens routed to them travel by all-to-all (``docs/expert_parallel.md``). A
-            matched module holds every expert's weights with a leading expert dimension
-            (divisible by the number of ranks) and is called as
-            ``experts(hidden_states, top_k_index, top_k_weights)``, as transformers' fused
-            experts are. Not with ``gather_units`` on the same module.
-        expert_mesh: with ``experts``: a 2-D mesh ``("ep", "dp_shard")`` of the
-            data-parallel ranks for an expert-parallel group smaller than them: experts
-            split over ``"ep"``, each block sharded (gathered per use) over ``"dp_shard"``.
-            ``None``: expert parallelism over every data-parallel rank.
-        expert_capacity_factor: with ``experts``: a rank sends an expert at most
-            ``ceil(factor * tokens * top_k / experts)`` of its tokens per call, dropping
-            the rest (their output from that expert is zero). ``None``: none dropped,
-            the unsplit model's result.
+        gather_units: module-name patterns (``fnmatch``, e.g. ``["moe"]``) of modules that
+            gather every parameter beneath them on entry to each call (the outermost match
+            wins; each must match a module); each repeated block (``layers.3``) is one
+            anyway, as FSDP2 gathers per wrapped block. A module the data call on some ranks
+            only (experts in a ``ModuleList``) must lie in a unit every rank calls: a lone
+            MoE layer outside any block needs its pattern here. The cost: a unit's
+            parameters are all gathered while it runs.
+        experts: module-name patterns of mixture-of-experts modules whose experts are
+            split across the ranks instead of gathered, their tokens moved by all-to-all
+            (expert parallelism; which modules qualify: ``docs/expert_parallel.md``).
+        expert_mesh: with ``experts``, a 2-D mesh ``("ep", "dp_shard")`` for an
+            expert-parallel group smaller than the data-parallel ranks (``None``: all).
+        expert_capacity_factor: with ``experts``, pairs a rank sends one expert beyond
+            ``ceil(factor * tokens * top_k / experts)`` are dropped (``None``: none).
 
     Collective: parameters and buffers are first broadcast from the mesh's first rank (as
     DDP does), so ranks may start from different initializations; the first call on a
@@ -137,10 +113,6 @@ def shard(
     second). Build the optimizer after this call: the parameters are new objects, and an
     optimizer that holds the old ones raises at its first ``step``.
     """
-    if not isinstance(module, nn.Module):
-        raise TypeError(f"compshard.shard: module must be an nn.Module, got {type(module).__name__}")
-    if is_sharded(module):
-        raise ValueError("compshard.shard: module is already sharded")
     resolved = resolve(
         module,
         mesh,
@@ -153,41 +125,27 @@ def shard(
         buffer_dtype,
         offload,
         gather_units,
+        experts,
+        expert_mesh,
+        expert_capacity_factor,
     )
-    expert_groups = resolve_experts(
-        module, experts, expert_mesh, expert_capacity_factor, resolved.mesh, strategy, gather_units
-    )
-    if expert_groups is not None:
-        check_experts_compose(resolved, expert_groups)
-        resolved = dataclasses.replace(
-            resolved,
-            config=dataclasses.replace(
-                resolved.config, experts=expert_groups.patterns, expert_parallel_size=expert_groups.ep_size
-            ),
-        )
     if resolved.mesh is not None:
         liveness.start()  # from here on, a rank that fails or dies is noticed by the others' waits
         broadcast_from_first_rank(module, resolved.mesh)
         _calibrate(resolved)
     grad_sync = GradSync()
     register_model(grad_sync)
-    _shard_parameters(module, resolved, grad_sync, expert_groups)
+    _shard_parameters(module, resolved, grad_sync)
     if not has_state(module):
         module._compshard = ModuleState(grad_sync)  # type: ignore[assignment]  # any value; stubs: Tensor | Module
     state_of(module).config = resolved.config
     install_gather_units(module, resolved.config.gather_units or ())
     install_forward_scopes(module)
-    if expert_groups is not None:
-        install_expert_forwards(expert_groups)
+    install_expert_forwards(resolved.experts)
     _cast_buffers(module, resolved.config.buffer_dtype)
     _refuse_stale_optimizers()
     _install_casts(module, resolved.config)
     return module
-
-
-def is_sharded(module: nn.Module) -> bool:
-    """Whether ``module`` or a module beneath it holds parameters that ``shard`` sharded."""
-    return any(has_state(m) and bool(state_of(m).specs) for m in module.modules())
 
 
 def param_specs(module: nn.Module) -> dict[str, ParamSpec]:
@@ -222,14 +180,12 @@ def _calibrate(resolved: Resolved) -> None:
             cost_model.calibrate(group_name, torch.device(resolved.mesh.device_type))
 
 
-def _shard_parameters(
-    module: nn.Module, resolved: Resolved, grad_sync: GradSync, expert_groups: ExpertGroups | None
-) -> None:
+def _shard_parameters(module: nn.Module, resolved: Resolved, grad_sync: GradSync) -> None:
     """Replace every parameter of ``module`` by its shard at rest, recording each module's
     specs in its state (a tied parameter: one shard under each of its names). The
     parameters of experts modules split across ranks are sharded as
     :mod:`compshard.sharding.experts` says."""
-    groups, config = resolved.groups, resolved.config
+    groups, config, expert_groups = resolved.groups, resolved.config, resolved.experts
     tp_layouts = tensor_parallel.layouts(module, resolved.mesh, groups.placements)
     split = {} if expert_groups is None or expert_groups.ep_size == 1 else expert_groups.modules
     expert_modules = {id(sub) for sub in split.values()}

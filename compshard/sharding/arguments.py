@@ -16,7 +16,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from compshard.sharding.experts import ExpertGroups, check_experts_compose, resolve_experts
 from compshard.sharding.spec import STRATEGIES, ShardingConfig
+from compshard.sharding.state import is_sharded
 
 __all__ = [
     "Groups",
@@ -199,12 +201,14 @@ def check_gather_units(module: nn.Module, gather_units: Sequence[str] | None) ->
 @dataclass(frozen=True)
 class Resolved:
     """``shard``'s arguments checked and resolved: the configuration it applies, the mesh
-    (None: one rank), its process groups and the device offloaded shards are copied to."""
+    (None: one rank), its process groups, the device offloaded shards are copied to, and
+    where split experts go."""
 
     config: ShardingConfig
     mesh: DeviceMesh | None
     groups: Groups
     compute_device: torch.device | None
+    experts: ExpertGroups | None  # shard(experts=...): the experts split across ranks
 
 
 def resolve(
@@ -219,9 +223,17 @@ def resolve(
     buffer_dtype: torch.dtype | None,
     offload: bool,
     gather_units: Sequence[str] | None,
+    experts: Sequence[str] | None,
+    expert_mesh: DeviceMesh | None,
+    expert_capacity_factor: float | None,
 ) -> Resolved:
     """Check ``shard``'s arguments (as ``compshard.shard`` documents them) for ``module``,
-    raising errors that name the option and what is allowed; resolve them."""
+    raising errors that name the option and what is allowed; resolve them (with
+    ``experts``, creating the expert-parallel group: collective)."""
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"compshard.shard: module must be an nn.Module, got {type(module).__name__}")
+    if is_sharded(module):
+        raise ValueError("compshard.shard: module is already sharded")
     if strategy not in STRATEGIES:
         raise ValueError(f"compshard.shard: strategy={strategy!r} is not allowed; use one of {list(STRATEGIES)}")
     reshard = resolve_reshard(strategy, reshard_after_forward)
@@ -240,6 +252,9 @@ def resolve(
         mesh = default_mesh(module)
     offload_state, compute_device = offload_device(offload, module, mesh)
     found = groups(strategy, mesh)
+    split = resolve_experts(module, experts, expert_mesh, expert_capacity_factor, mesh, strategy, units)
+    if split is not None:
+        check_experts_compose(compute_device, split)
     config = ShardingConfig(
         strategy,
         found.shard_size,
@@ -252,5 +267,7 @@ def resolve(
         buffer_dtype,
         offload_state,
         units,
+        None if split is None else split.patterns,
+        1 if split is None else split.ep_size,
     )
-    return Resolved(config, mesh, found, compute_device)
+    return Resolved(config, mesh, found, compute_device, split)

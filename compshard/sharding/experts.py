@@ -39,7 +39,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from compshard.comm.expert_ops import ExpertLayer, register_layer
-from compshard.sharding.arguments import Resolved
 from compshard.sharding.conversions import plain_class
 from compshard.sharding.grad_routing import route_local_gradients
 from compshard.sharding.spec import ParamSpec, ShardingConfig
@@ -233,9 +232,10 @@ def _expert_dimensions(expert_mesh: Any, mesh: DeviceMesh | None) -> tuple[Devic
     return expert_mesh["ep"], expert_mesh["dp_shard"]
 
 
-def check_experts_compose(resolved: Resolved, groups: ExpertGroups) -> None:
-    """Refuse what expert parallelism does not compose with (yet), naming the option."""
-    if resolved.compute_device is not None:
+def check_experts_compose(compute_device: torch.device | None, groups: ExpertGroups) -> None:
+    """Refuse what expert parallelism does not compose with (yet), naming the option
+    (``compute_device``: where offloaded shards are copied to; None: no offload)."""
+    if compute_device is not None:
         raise ValueError("compshard.shard: experts does not support offload=True; shard without offload")
     placed = [name for name, sub in groups.modules.items() if any(isinstance(p, DTensor) for p in sub.parameters())]
     if placed:
@@ -275,11 +275,11 @@ def shard_expert_param(original: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh
     return at_rest
 
 
-def install_expert_forwards(groups: ExpertGroups) -> None:
+def install_expert_forwards(groups: ExpertGroups | None) -> None:
     """Make each matched module's forward the expert-parallel one (an instance attribute:
-    the class and its other instances are untouched). With an expert-parallel group of one
-    rank there is nothing to split: the module keeps its own forward."""
-    if groups.ep_size == 1:
+    the class and its other instances are untouched). With no experts option, or an
+    expert-parallel group of one rank, there is nothing to split: modules keep their own."""
+    if groups is None or groups.ep_size == 1:
         return
     serial = next(_serials)
     for fqn, sub in groups.modules.items():

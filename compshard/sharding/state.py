@@ -28,7 +28,7 @@ from compshard.tensor_parallel import TensorParallelLayout
 if TYPE_CHECKING:
     from compshard.sharding.grad_sync import GradSync
 
-__all__ = ["ForwardDepth", "MemberModule", "MemberReads", "ModuleState", "has_state", "state_of"]
+__all__ = ["ForwardDepth", "MemberModule", "MemberReads", "ModuleState", "has_state", "is_sharded", "state_of"]
 
 
 @dataclass
@@ -93,3 +93,8 @@ def state_of(module: nn.Module) -> ModuleState:
     state: Any = module._compshard
     assert isinstance(state, ModuleState)  # shard's
     return state
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether ``module`` or a module beneath it holds parameters that ``shard`` sharded."""
+    return any(has_state(m) and bool(state_of(m).specs) for m in module.modules())
