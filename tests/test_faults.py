@@ -192,6 +192,37 @@ def test_a_killed_rank_is_named_within_seconds_while_a_zombie(compiled):
     assert "rank 1" in outcome.error, outcome.error
 
 
+def _dies_in_its_experts_exchange(rank: int, world_size: int, how: str, compiled: bool) -> list[float]:
+    """Experts split across ranks (Qwen3-MoE): at the second step the faulty rank faults
+    as its first all-to-all starts, so the other waits for it inside that all-to-all."""
+    from compshard.comm import expert_ops
+    from tests.sharding.test_expert_parallel import EXPERTS, build_qwen3_moe
+
+    model, batch = build_qwen3_moe()
+    compshard.shard(model, experts=EXPERTS)
+    step_model = torch.compile(model, backend="compshard") if compiled else model
+    exchange = expert_ops._all_to_all
+    losses = []
+    for step in range(3):
+        if step == 1 and rank == FAULTY:
+
+            def faulty(*args: Any) -> torch.Tensor:
+                _fault(how)
+                return exchange(*args)
+
+            expert_ops._all_to_all = faulty
+        loss = step_model(*local_batch(batch, rank, world_size))
+        loss.backward()
+        losses.append(loss.item())
+    return losses
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "uncompiled"])
+def test_a_rank_that_dies_in_an_experts_all_to_all_is_named_within_seconds(compiled):
+    outcome = _survivor(_run(_dies_in_its_experts_exchange, "kill", compiled))
+    assert "rank 1" in outcome.error, outcome.error
+
+
 def _at_next_compile_exchange(how: str) -> None:
     """Make this rank fault (:func:`_fault`) as it enters its next compile-time exchange:
     the other ranks are then compiling the same graph."""
