@@ -10,6 +10,8 @@ import copy
 import json
 import os
 import tempfile
+import traceback
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -336,18 +338,58 @@ def _auto_budget(model, batch: tuple, rank: int, world_size: int) -> dict:
     }
 
 
-def schedule_worker(rank: int, world_size: int) -> dict:
-    results = {"scratch": _scratch_check(world_size)}
-    model, batch = make_model("gpt")
-    local = tuple(t.chunk(world_size)[rank] for t in batch)
-    report = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, profile=True)
+@dataclass(frozen=True)
+class _Workload:
+    """What the schedule checks share: the GPT, the global batch and this rank's rows."""
+
+    rank: int
+    world_size: int
+    model: torch.nn.Module
+    batch: tuple
+    local: tuple
+
+
+class ScheduleResults(dict):
+    """One rank's schedule results by key. A check that raised left its keys out and its
+    traceback in ``failed``: a test reading a key that is missing fails with those
+    tracebacks, and the tests that read other checks' keys are unaffected."""
+
+    failed: dict[str, str]
+
+    def __missing__(self, key: str):
+        raise AssertionError(f"no result {key!r}: a schedule check raised\n" + "\n".join(self.failed.values()))
+
+
+def _scratch(w: _Workload, results: dict) -> None:
+    results["scratch"] = _scratch_check(w.world_size)
+
+
+def _default_schedule(w: _Workload, results: dict) -> None:
+    report = compshard.inspect(compshard.shard(copy.deepcopy(w.model)), *w.local, profile=True)
     results["reshard"] = _schedule_facts(report)
     results["reduce_ops"] = sorted({c["op"] for c in report.collectives if c["kind"] == "reduce_scatter"})
     results["gather_ops"] = sorted({c["op"] for c in report.collectives if c["kind"] == "all_gather"})
-    buffer = torch.randn(world_size * 1000, generator=torch.Generator().manual_seed(rank))
+    results["peak_bytes"] = {"auto": report.peak_bytes}
+    auto, measured = _compiled(w.model, w.local)
+    results["forward_peak"] = {"auto": (auto.peak_bytes["forward"], measured)}
+    with tempfile.TemporaryDirectory() as folder:
+        report.save_trace(os.path.join(folder, "trace.json"))
+        with open(os.path.join(folder, "trace.json")) as file:
+            events = json.load(file)["traceEvents"]
+    results["trace"] = {
+        "events": events if w.rank == 0 else [],
+        "buckets": report.buckets,
+        "gather_index": {kind: _gather_index(gm.graph) for kind, gm in report.graphs.items()},
+        "exposed": {kind: t.exposed_comm for kind, t in report.timelines.items()},
+    }
+
+
+def _transport_rows(w: _Workload, results: dict) -> None:
+    world_size = w.world_size
+    buffer = torch.randn(world_size * 1000, generator=torch.Generator().manual_seed(w.rank))
     group = torch.distributed.group.WORLD.group_name
     rows = torch.zeros(world_size, 1000)
-    rows[rank] = buffer[:1000]
+    rows[w.rank] = buffer[:1000]
     expected_rows = torch.ops._c10d_functional.wait_tensor(
         torch.ops._c10d_functional.all_gather_into_tensor(buffer[:1000], world_size, group)
     )
@@ -379,69 +421,99 @@ def schedule_worker(rank: int, world_size: int) -> dict:
             torch.ops.compshard.reduce_scatter_copy_out(summed, shard_numels, local_numels, dtype),
         )
     )
-    results["peak_bytes"] = {"auto": report.peak_bytes}
-    auto, measured = _compiled(model, local)
-    results["forward_peak"] = {"auto": (auto.peak_bytes["forward"], measured)}
-    with tempfile.TemporaryDirectory() as folder:
-        report.save_trace(os.path.join(folder, "trace.json"))
-        with open(os.path.join(folder, "trace.json")) as file:
-            events = json.load(file)["traceEvents"]
-    results["trace"] = {
-        "events": events if rank == 0 else [],
-        "buckets": report.buckets,
-        "gather_index": {kind: _gather_index(gm.graph) for kind, gm in report.graphs.items()},
-        "exposed": {kind: t.exposed_comm for kind, t in report.timelines.items()},
-    }
-    torch._dynamo.reset()
+
+
+def _inference(w: _Workload, results: dict) -> None:
     with torch.no_grad():  # no backward: the inference graph
-        inference = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local)
-        got = torch.compile(compshard.shard(copy.deepcopy(model)), backend="compshard")(*local)
+        inference = compshard.inspect(compshard.shard(copy.deepcopy(w.model)), *w.local)
+        got = torch.compile(compshard.shard(copy.deepcopy(w.model)), backend="compshard")(*w.local)
     results["inference"] = {
-        "matches_eager": torch.equal(got, model(*local)),
+        "matches_eager": torch.equal(got, w.model(*w.local)),
         "graphs": list(inference.graphs),
         "gathered": sorted(p for c in inference.collectives if c["kind"] == "all_gather" for p in c["params"]),
         "freed": sorted(
             p for c in inference.collectives if (c["kind"], c["of"]) == ("free", "params") for p in c["params"]
         ),
     }
-    late, measured = _compiled(model, local, {"prefetch": 0})
-    results["forward_peak"]["prefetch 0"] = (late.peak_bytes["forward"], measured)
-    results["peak_bytes"]["prefetch 0"] = late.peak_bytes
+
+
+def _prefetch_and_coalescing(w: _Workload, results: dict) -> None:
+    late, measured = _compiled(w.model, w.local, {"prefetch": 0})
+    results.setdefault("forward_peak", {})["prefetch 0"] = (late.peak_bytes["forward"], measured)
+    results.setdefault("peak_bytes", {})["prefetch 0"] = late.peak_bytes
     results["late"] = {
         "buckets": late.buckets,
         "exposed": {kind: t.exposed_comm for kind, t in late.timelines.items()},
         "comm": {kind: t.comm for kind, t in late.timelines.items()},
     }
-    separate, measured = _compiled(model, local, {"coalesce": "none"})
+    separate, measured = _compiled(w.model, w.local, {"coalesce": "none"})
     results["forward_peak"]["separate"] = (separate.peak_bytes["forward"], measured)
     results["separate"] = _schedule_facts(separate)
     results["peak_bytes"]["separate"] = separate.peak_bytes
-    torch._dynamo.reset()
-    kept = compshard.shard(copy.deepcopy(model), reshard_after_forward=False)
-    results["keep"] = _schedule_facts(compshard.inspect(kept, *local))
+
+
+def _kept_gathered(w: _Workload, results: dict) -> None:
+    kept = compshard.shard(copy.deepcopy(w.model), reshard_after_forward=False)
+    results["keep"] = _schedule_facts(compshard.inspect(kept, *w.local))
     results["trainable"] = sorted(compshard.sharding.param_specs(kept))
 
+
+def _option_variants(w: _Workload, results: dict) -> None:
     for name, (model_name, options) in OPTION_VARIANTS.items():
         torch._dynamo.reset()
-        variant = parity(model_name, rank, world_size, compile_options=options)
+        variant = parity(model_name, w.rank, w.world_size, compile_options=options)
         results[name] = {k: variant[k] for k in ("loss", "params", "keys_match")}
-    results["auto_budget"] = _auto_budget(model, batch, rank, world_size)
+
+
+def _budget_and_bound(w: _Workload, results: dict) -> None:
+    results["auto_budget"] = _auto_budget(w.model, w.batch, w.rank, w.world_size)
     torch._dynamo.reset()
-    bounded = compshard.inspect(compshard.shard(copy.deepcopy(model)), *local, options=OPTION_VARIANTS["bounded"][1])
+    options = OPTION_VARIANTS["bounded"][1]
+    bounded = compshard.inspect(compshard.shard(copy.deepcopy(w.model)), *w.local, options=options)
     results["bounded_schedule"] = {kind: _independent_checks(gm.graph) for kind, gm in bounded.graphs.items()}
     results["bounded_prefetch"] = _schedule_facts(bounded)["kinds"]
 
-    # A rank whose compiler builds another schedule (here: rank 1 keeps every bucket
-    # gathered for backward, so its forward frees no parameters and its backward gathers
-    # none) is caught: the forwards start the same collectives, the backwards do not.
-    torch._dynamo.reset()
-    options = {"prefetch": 0, "coalesce": "none", **({"memory_budget_mb": 1e6} if rank == 1 else {})}
+
+def _mismatched_schedule(w: _Workload, results: dict) -> None:
+    """A rank whose compiler builds another schedule (here: rank 1 keeps every bucket
+    gathered for backward, so its forward frees no parameters and its backward gathers
+    none) is caught: the forwards start the same collectives, the backwards do not."""
+    options = {"prefetch": 0, "coalesce": "none", **({"memory_budget_mb": 1e6} if w.rank == 1 else {})}
     try:
-        compiled = torch.compile(compshard.shard(copy.deepcopy(model)), backend="compshard", options=options)
-        compiled(*local).backward()
+        compiled = torch.compile(compshard.shard(copy.deepcopy(w.model)), backend="compshard", options=options)
+        compiled(*w.local).backward()
         results["mismatch"] = None
     except Exception as error:  # noqa: BLE001 - the message is what the test checks
         results["mismatch"] = str(error)
+
+
+# In this order (the mismatch last: it leaves the ranks' schedules apart).
+SCHEDULE_CHECKS = (
+    _scratch,
+    _default_schedule,
+    _transport_rows,
+    _inference,
+    _prefetch_and_coalescing,
+    _kept_gathered,
+    _option_variants,
+    _budget_and_bound,
+    _mismatched_schedule,
+)
+
+
+def schedule_worker(rank: int, world_size: int) -> ScheduleResults:
+    """Every schedule check in one spawn, each on its own: one that raises records its
+    traceback and the next one runs (:class:`ScheduleResults`)."""
+    results = ScheduleResults()
+    results.failed = {}
+    model, batch = make_model("gpt")
+    workload = _Workload(rank, world_size, model, batch, tuple(t.chunk(world_size)[rank] for t in batch))
+    for check in SCHEDULE_CHECKS:
+        torch._dynamo.reset()
+        try:
+            check(workload, results)
+        except Exception:  # noqa: BLE001 - recorded: the tests that read its results fail with it
+            results.failed[check.__name__] = traceback.format_exc()
     return results
 
 
