@@ -1,15 +1,15 @@
 """The typed records a :class:`~compshard.inspection.Report` lists: one collective, one
 table row, one bucket.
 
-They are frozen: a report describes a schedule already compiled. The collective and row
-records also read by field name (``collective["kind"]``, ``collective.get("of")``), the
-way ``docs/inspect.md`` reads them.
+They are frozen: a report describes a schedule already compiled. They also read by field
+name (``collective["kind"]``, ``collective.get("of")``, ``bucket["params"]``), the way
+``docs/inspect.md`` reads them.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
-from typing import Any, TypedDict
+from typing import Any
 
 from compshard.compile_plan import Freed
 
@@ -64,12 +64,13 @@ class ScheduleRow(_ReadsByName):
     live_after: int  # estimated bytes live after the row
 
 
-class BucketEntry(TypedDict):
+@dataclass(frozen=True)
+class BucketEntry(_ReadsByName):
     """One bucket of one plan as :attr:`Report.buckets` lists it."""
 
     name: str
     plan: int  # index in Report.plans
-    params: list[str]
+    params: tuple[str, ...]
     bytes: int  # gathered
     keep_gathered: bool
     prefetch: dict[str, int]  # graph name -> across how many all-gathers' uses its all-gather runs

@@ -63,7 +63,8 @@ class Report:
             all-to-alls (``shard(experts=...)``: the tokens and outputs of one experts
             module, forward or backward), its ``unit`` and ``bucket`` the experts module,
             its ``bytes`` those sent to other ranks when the routing is even.
-        buckets: one dict per bucket of every plan: ``name``, ``plan`` (its index in
+        buckets: a :class:`~compshard.inspection.BucketEntry` per bucket of every plan,
+            read by field or by key: ``name``, ``plan`` (its index in
             ``plans``), ``params``, ``bytes`` (gathered), ``keep_gathered`` and
             ``prefetch`` (graph name -> across how many all-gathers' uses its all-gather
             runs; 0: started at its wait).
@@ -120,18 +121,18 @@ class Report:
             name(g.kind, i): dict(g.pass_seconds) for i, plan in enumerate(self.plans) for g in plan.graphs
         }
         self.buckets: list[BucketEntry] = [
-            {
-                "name": b.name,
-                "plan": i,
-                "params": list(b.params),
-                "bytes": b.nbytes,
-                "keep_gathered": b.keep_gathered,
-                "prefetch": {
+            BucketEntry(
+                name=b.name,
+                plan=i,
+                params=tuple(b.params),
+                bytes=b.nbytes,
+                keep_gathered=b.keep_gathered,
+                prefetch={
                     name(g.kind, i): distances[b.name]
                     for g in plan.graphs
                     if g.prefetch and b.name in (distances := g.prefetch.as_dict())
                 },
-            }
+            )
             for i, plan in enumerate(self.plans)
             for b in plan.buckets or ()
         ]
