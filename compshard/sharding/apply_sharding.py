@@ -199,23 +199,22 @@ def _shard_parameters(module: nn.Module, resolved: Resolved, grad_sync: GradSync
             original = sub._parameters[name]
             if id(original) not in sharded:
                 layout = tp_layouts.get(id(original))
-                fqn = f"{prefix}.{name}" if prefix else name
+                spec = ParamSpec(
+                    fqn=f"{prefix}.{name}" if prefix else name,
+                    full_shape=tuple(original.shape if layout is None else original._local_tensor.shape),
+                    world_size=groups.shard_size,
+                    group_name=groups.shard_group,
+                    param_dtype=config.param_dtype,
+                    reduce_dtype=config.reduce_dtype,
+                    reshard_after_forward=config.reshard_after_forward,
+                    replicate_group=groups.replicate_group,
+                    compute_device=resolved.compute_device,
+                )
                 if id(sub) in expert_modules:
                     assert expert_groups is not None and resolved.mesh is not None
-                    spec = expert_spec(fqn, original, expert_groups, config)
+                    spec = expert_spec(spec, expert_groups)
                     at_rest = shard_expert_param(original, spec, resolved.mesh, expert_groups)
                 else:
-                    spec = ParamSpec(
-                        fqn=fqn,
-                        full_shape=tuple(original.shape if layout is None else original._local_tensor.shape),
-                        world_size=groups.shard_size,
-                        group_name=groups.shard_group,
-                        param_dtype=config.param_dtype,
-                        reduce_dtype=config.reduce_dtype,
-                        reshard_after_forward=config.reshard_after_forward,
-                        replicate_group=groups.replicate_group,
-                        compute_device=resolved.compute_device,
-                    )
                     at_rest = _shard_param(original, spec, resolved.mesh, groups, layout)
                 sharded[id(original)] = (at_rest, spec, layout)
                 grad_sync.specs[spec.fqn] = spec

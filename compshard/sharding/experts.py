@@ -23,6 +23,7 @@ The price is that expert-parallel groups are strided (ranks ``i, i + dp/ep, ...`
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
 import inspect
 import itertools
@@ -41,7 +42,7 @@ from torch.distributed.tensor import DTensor, Shard
 from compshard.comm.expert_ops import ExpertLayer, register_layer
 from compshard.sharding.conversions import plain_class
 from compshard.sharding.grad_routing import route_local_gradients
-from compshard.sharding.spec import ParamSpec, ShardingConfig
+from compshard.sharding.spec import ParamSpec
 from compshard.sharding.state import state_of
 from compshard.torch_compat import constant_lookup
 
@@ -244,19 +245,16 @@ def check_experts_compose(compute_device: torch.device | None, groups: ExpertGro
         )
 
 
-def expert_spec(fqn: str, original: nn.Parameter, groups: ExpertGroups, config: ShardingConfig) -> ParamSpec:
-    """The spec of an expert parameter: its block gathered within the shard group."""
-    start, stop = groups.block_rows(original.shape[0])
-    return ParamSpec(
-        fqn=fqn,
-        full_shape=(stop - start, *original.shape[1:]),
+def expert_spec(spec: ParamSpec, groups: ExpertGroups) -> ParamSpec:
+    """The spec of an expert parameter (``spec``: the one it would have otherwise): its
+    expert block, gathered and its gradient reduce-scattered within the shard group."""
+    start, stop = groups.block_rows(spec.full_shape[0])
+    return dataclasses.replace(
+        spec,
+        full_shape=(stop - start, *spec.full_shape[1:]),
         world_size=groups.shard_size,
         group_name=groups.shard_group,
-        param_dtype=config.param_dtype,
-        reduce_dtype=config.reduce_dtype,
-        reshard_after_forward=config.reshard_after_forward,
         replicate_group="",
-        compute_device=None,
     )
 
 
