@@ -94,9 +94,11 @@ def register_layer(key: str, layer: ExpertLayer) -> None:
 
 
 def registered_layer(key: str) -> ExpertLayer:
+    """The layer ``key`` names; it outlives its module, so that a report can still read
+    it (only running the experts needs the module: :func:`_local_experts`)."""
     layer = _LAYERS.get(key)
-    if layer is None or layer.module() is None:
-        raise RuntimeError(f"compshard: expert layer {key!r} is not registered (its model is gone)")
+    if layer is None:
+        raise RuntimeError(f"compshard: expert layer {key!r} is not registered")
     return layer
 
 
@@ -163,7 +165,8 @@ def _local_experts(
     expert, ``counts`` of each), run by the module's own forward on a stand-in module
     that holds ``weights`` and routes each row to its expert with weight 1."""
     module = layer.module()
-    assert module is not None  # registered_layer checked it
+    if module is None:
+        raise RuntimeError(f"compshard: the experts module '{layer.fqn}' is gone (its model was deleted)")
     stand_in = copy.copy(module)
     stand_in.__class__ = layer.plain_class
     stand_in.__dict__.pop("forward", None)
