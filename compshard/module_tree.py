@@ -43,6 +43,17 @@ def outermost_match(module: str, patterns: Sequence[str]) -> str | None:
     return None
 
 
+def check_patterns_match(option: str, patterns: Sequence[str], modules: Sequence[str]) -> None:
+    """Raise a ``ValueError`` naming ``compshard.shard``'s ``option`` when one of its
+    ``fnmatch`` ``patterns`` matches none of the module paths ``modules``."""
+    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name in modules)]
+    if unmatched:
+        raise ValueError(
+            f"compshard.shard: {option} pattern(s) {unmatched} match no submodule; module names "
+            f"look like {list(modules[:6])}"
+        )
+
+
 def repeated_block(module: str, containers: set[str]) -> str | None:
     """The outermost repeated block (``blocks.3``) that module path ``module`` lies in."""
     parts = module.split(".")

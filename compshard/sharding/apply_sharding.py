@@ -187,8 +187,7 @@ def _shard_parameters(module: nn.Module, resolved: Resolved, grad_sync: GradSync
     :mod:`compshard.sharding.experts` says."""
     groups, config, expert_groups = resolved.groups, resolved.config, resolved.experts
     tp_layouts = tensor_parallel.layouts(module, resolved.mesh, groups.placements)
-    split = {} if expert_groups is None or expert_groups.ep_size == 1 else expert_groups.modules
-    expert_modules = {id(sub) for sub in split.values()}
+    expert_modules = {id(sub) for sub in expert_groups.modules.values()} if expert_groups is not None else set()
     sharded: dict[int, tuple[nn.Parameter, ParamSpec, tensor_parallel.TensorParallelLayout | None]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         names = tuple(name for name, p in sub._parameters.items() if p is not None)
@@ -211,7 +210,7 @@ def _shard_parameters(module: nn.Module, resolved: Resolved, grad_sync: GradSync
                     compute_device=resolved.compute_device,
                 )
                 if id(sub) in expert_modules:
-                    assert expert_groups is not None and resolved.mesh is not None
+                    assert expert_groups is not None and resolved.mesh is not None  # (only then any)
                     spec = expert_spec(spec, expert_groups)
                     at_rest = shard_expert_param(original, spec, resolved.mesh, expert_groups)
                 else:

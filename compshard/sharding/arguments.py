@@ -3,7 +3,6 @@ what they resolve to (the mesh, the process groups, the offload device)."""
 
 from __future__ import annotations
 
-import fnmatch
 import warnings
 import weakref
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from compshard.module_tree import check_patterns_match
 from compshard.sharding.experts import ExpertGroups, check_experts_compose, resolve_experts
 from compshard.sharding.spec import STRATEGIES, ShardingConfig
 from compshard.sharding.state import is_sharded
@@ -188,13 +188,7 @@ def check_gather_units(module: nn.Module, gather_units: Sequence[str] | None) ->
             f"compshard.shard: gather_units must be a list of module-name patterns (non-empty strings) "
             f"or None, got {gather_units!r}"
         )
-    names = [name for name, _ in module.named_modules() if name]
-    unmatched = [p for p in gather_units if not any(fnmatch.fnmatchcase(name, p) for name in names)]
-    if unmatched:
-        raise ValueError(
-            f"compshard.shard: gather_units pattern(s) {unmatched} match no submodule; module names "
-            f"look like {names[:6]}"
-        )
+    check_patterns_match("gather_units", gather_units, [name for name, _ in module.named_modules() if name])
     return tuple(gather_units)
 
 
@@ -208,7 +202,7 @@ class Resolved:
     mesh: DeviceMesh | None
     groups: Groups
     compute_device: torch.device | None
-    experts: ExpertGroups | None  # shard(experts=...): the experts split across ranks
+    experts: ExpertGroups | None  # shard(experts=...) over several ranks: the experts split across them
 
 
 def resolve(
@@ -255,6 +249,7 @@ def resolve(
     split = resolve_experts(module, experts, expert_mesh, expert_capacity_factor, mesh, strategy, units)
     if split is not None:
         check_experts_compose(compute_device, split)
+    splits = split is not None and split.ep_size > 1  # one rank's experts: nothing to split
     config = ShardingConfig(
         strategy,
         found.shard_size,
@@ -270,4 +265,4 @@ def resolve(
         None if split is None else split.patterns,
         1 if split is None else split.ep_size,
     )
-    return Resolved(config, mesh, found, compute_device, split)
+    return Resolved(config, mesh, found, compute_device, split if splits else None)

@@ -40,6 +40,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from compshard.comm.expert_ops import ExpertLayer, register_layer
+from compshard.module_tree import check_patterns_match, outermost_match
 from compshard.sharding.conversions import plain_class
 from compshard.sharding.grad_routing import route_local_gradients
 from compshard.sharding.spec import ParamSpec
@@ -160,17 +161,8 @@ def resolve_experts(
 def _match(module: nn.Module, patterns: tuple[str, ...], gather_units: tuple[str, ...]) -> dict[str, nn.Module]:
     """The modules ``patterns`` match (the outermost when nested), each checked to be an
     experts module."""
-    names = [name for name, _ in module.named_modules() if name]
-    unmatched = [p for p in patterns if not any(fnmatch.fnmatchcase(name, p) for name in names)]
-    if unmatched:
-        raise ValueError(
-            f"compshard.shard: experts pattern(s) {unmatched} match no submodule; module names look like {names[:6]}"
-        )
-    matched: dict[str, nn.Module] = {}
-    for name, sub in module.named_modules():
-        if name and any(fnmatch.fnmatchcase(name, p) for p in patterns):
-            if not any(name.startswith(f"{outer}.") for outer in matched):
-                matched[name] = sub
+    check_patterns_match("experts", patterns, [name for name, _ in module.named_modules() if name])
+    matched = {name: sub for name, sub in module.named_modules() if name and outermost_match(name, patterns) == name}
     for name, sub in matched.items():
         both = [p for p in gather_units if fnmatch.fnmatchcase(name, p)]
         if both:
@@ -275,9 +267,9 @@ def shard_expert_param(original: nn.Parameter, spec: ParamSpec, mesh: DeviceMesh
 
 def install_expert_forwards(groups: ExpertGroups | None) -> None:
     """Make each matched module's forward the expert-parallel one (an instance attribute:
-    the class and its other instances are untouched). With no experts option, or an
-    expert-parallel group of one rank, there is nothing to split: modules keep their own."""
-    if groups is None or groups.ep_size == 1:
+    the class and its other instances are untouched). None (no experts option, or an
+    expert-parallel group of one rank: nothing to split): modules keep their own."""
+    if groups is None:
         return
     serial = next(_serials)
     for fqn, sub in groups.modules.items():

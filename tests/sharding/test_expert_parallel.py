@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import init_device_mesh
 
 import compshard
 from tests.distributed import run_distributed
-from tests.real_models import BATCH, CausalLM, _decoder_kwargs, _quiet_transformers, routing_tokens
+from tests.real_models import BATCH, _causal, _decoder_kwargs, _quiet_transformers, routing_tokens
 from tests.training import RTOL, adamw, local_batch, relative_error, train_reference, train_sharded
 
 STEPS = 3
@@ -39,8 +39,7 @@ def build_qwen3_moe(router_aux_loss: bool = False):
         output_router_logits=router_aux_loss,
         router_aux_loss_coef=0.01,
     )
-    torch.manual_seed(0)
-    return CausalLM(Qwen3MoeForCausalLM(config)).train(), (routing_tokens(BATCH * 2),)
+    return _causal(Qwen3MoeForCausalLM, config, BATCH * 2, routing_tokens(BATCH * 2))
 
 
 def build_mixtral():
@@ -48,8 +47,7 @@ def build_mixtral():
 
     _quiet_transformers()
     config = MixtralConfig(**_decoder_kwargs() | dict(intermediate_size=16), num_local_experts=4, num_experts_per_tok=2)
-    torch.manual_seed(0)
-    return CausalLM(MixtralForCausalLM(config)).train(), (routing_tokens(BATCH * 2),)
+    return _causal(MixtralForCausalLM, config, BATCH * 2, routing_tokens(BATCH * 2))
 
 
 BUILDERS = {"qwen3-moe": build_qwen3_moe, "qwen3-moe-aux-loss": lambda: build_qwen3_moe(True), "mixtral": build_mixtral}
