@@ -36,7 +36,6 @@ import argparse
 import copy
 import os
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -72,7 +71,17 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from harness import CausalLMLoss, Result, init_distributed, mib, progress, train, wrap_fsdp2, write_results  # noqa: E402
+from harness import (  # noqa: E402
+    CausalLMLoss,
+    Result,
+    import_transformers,
+    init_distributed,
+    mib,
+    progress,
+    train,
+    wrap_fsdp2,
+    write_results,
+)
 from tabulate import tabulate  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.distributed.device_mesh import init_device_mesh  # noqa: E402
@@ -94,16 +103,8 @@ class MoEShape:
 
 
 def build_model(shape: MoEShape) -> nn.Module:
-    # transformers imports torchvision whenever it is installed, and the registry's
-    # torchvision (the [test] extra) is a CUDA build that fails to import next to the CPU
-    # torch: the test suite's shim makes its pure-Python part importable (as plan_scaling.py).
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.real_models import ensure_torchvision_importable
-
-    ensure_torchvision_importable()
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-    config = Qwen3MoeConfig(
+    transformers = import_transformers()
+    config = transformers.Qwen3MoeConfig(
         vocab_size=shape.vocab,
         hidden_size=shape.width,
         intermediate_size=shape.expert_width,
@@ -116,7 +117,7 @@ def build_model(shape: MoEShape) -> nn.Module:
         max_position_embeddings=shape.seq,
         use_cache=False,
     )
-    return CausalLMLoss(Qwen3MoeForCausalLM(config))
+    return CausalLMLoss(transformers.Qwen3MoeForCausalLM(config))
 
 
 class _SentBytes:

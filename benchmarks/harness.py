@@ -28,6 +28,7 @@ import shlex
 import statistics
 import sys
 import time
+import types
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -366,12 +367,26 @@ class CausalLMLoss(nn.Module):
         return nn.functional.cross_entropy(logits.flatten(0, 1).float(), targets.flatten())
 
 
+def import_transformers() -> types.ModuleType:
+    """transformers, imported where the installed torchvision cannot be: transformers
+    imports torchvision whenever it is installed, and the registry's torchvision (the
+    [test] extra) is a CUDA build that fails to import next to the CPU torch; the test
+    suite's shim (``tests.real_models.ensure_torchvision_importable``) makes its
+    pure-Python part importable, and leaves a working torchvision as it is."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+    from tests.real_models import ensure_torchvision_importable
+
+    ensure_torchvision_importable()
+    import transformers
+
+    return transformers
+
+
 def build_model(cfg: GPTConfig | LlamaShape) -> nn.Module:
     if isinstance(cfg, GPTConfig):
         return GPT(cfg)
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    transformers = import_transformers()
+    config = transformers.LlamaConfig(
         vocab_size=cfg.vocab_size,
         hidden_size=cfg.n_embd,
         intermediate_size=cfg.intermediate,
@@ -382,7 +397,7 @@ def build_model(cfg: GPTConfig | LlamaShape) -> nn.Module:
         tie_word_embeddings=False,
         use_cache=False,
     )
-    return CausalLMLoss(LlamaForCausalLM(config))
+    return CausalLMLoss(transformers.LlamaForCausalLM(config))
 
 
 def flops_per_token(model: nn.Module, cfg: GPTConfig | LlamaShape) -> float:

@@ -75,6 +75,7 @@ if __name__ == "__main__":
     ARGS = parse_args()  # before torch is imported: --help and a bad option answer at once
 
 import torch  # noqa: E402
+from harness import import_transformers  # noqa: E402
 from tabulate import tabulate  # noqa: E402
 
 import compshard  # noqa: E402
@@ -83,16 +84,8 @@ GiB = 2**30
 
 
 def llama_8b(layers: int) -> torch.nn.Module:
-    # transformers imports torchvision whenever it is installed, and the registry's
-    # torchvision (the [test] extra) is a CUDA build that fails to import next to the CPU
-    # torch: the test suite's shim makes its pure-Python part importable.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from tests.real_models import ensure_torchvision_importable
-
-    ensure_torchvision_importable()
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    config = LlamaConfig(
+    transformers = import_transformers()
+    config = transformers.LlamaConfig(
         hidden_size=4096,
         num_hidden_layers=layers,
         num_attention_heads=32,
@@ -106,7 +99,7 @@ def llama_8b(layers: int) -> torch.nn.Module:
         attn_implementation="sdpa",
     )
     with torch.device("meta"):
-        return LlamaForCausalLM(config)
+        return transformers.LlamaForCausalLM(config)
 
 
 def predict(
