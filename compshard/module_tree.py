@@ -17,6 +17,7 @@ import re
 from collections.abc import Iterable, Sequence
 
 __all__ = [
+    "check_patterns_match",
     "common_parent",
     "gather_units_hint",
     "module_of",
