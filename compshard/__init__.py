@@ -22,6 +22,7 @@ from compshard.clip import clip_grad_norm_
 from compshard.comm import ops  # noqa: F401  (registers the compshard:: custom ops)
 from compshard.compile_plan import ScheduleError
 from compshard.inspection import Report, inspect
+from compshard.optim import AdaScale
 from compshard.options import CompileOptions
 from compshard.pipelining import Pipeline, PipelineReport, pipeline
 from compshard.predict import Forecast, forecast, plan
@@ -53,6 +54,7 @@ __all__ = [
     "forecast",
     "Forecast",
     "plan",  # deprecated: forecast
+    "AdaScale",
 ]
 
 

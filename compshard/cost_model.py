@@ -45,6 +45,7 @@ __all__ = [
     "calibrate",
     "costs_for",
     "collective_seconds",
+    "compute_costs",
     "measure_compute",
     "measure_matmul",
     "measure_costs",
@@ -157,6 +158,13 @@ def assumed(costs_by_group: dict[str, Costs]) -> Iterator[None]:
 def costs_for(group_name: str) -> Costs:
     """The agreed constants of a calibrated group, else the defaults."""
     return _calibrated.get(group_name, Costs())
+
+
+def compute_costs() -> Costs:
+    """The constants of the group calibrated last (or assumed, by a forecast; else the
+    defaults), for a graph that communicates in no group (``"shard_optimizer"``'s
+    forward): its compute figures are the machine's, whichever group measured them."""
+    return next(reversed(_calibrated.values()), Costs())
 
 
 def collective_seconds(nbytes: int, costs: Costs, kind: str = "all_gather") -> float:

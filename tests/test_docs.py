@@ -31,7 +31,7 @@ PAGES = [README, *DOCS, ROOT / "CHANGELOG.md", *sorted((ROOT / "benchmarks" / "r
 # example in tests/test_training_features.py's process.
 RUN_ELSEWHERE = {
     "compshard.pipeline(": ROOT / "tests" / "pipelining" / "test_pipeline.py",
-    "compshard.no_sync(": ROOT / "tests" / "test_training_features.py",
+    "compshard.no_sync(model):  # no gradient communication here": ROOT / "tests" / "test_training_features.py",
 }
 
 
@@ -137,6 +137,7 @@ FUNCTIONS = {
         f"compshard.checkpoint.{name}": getattr(compshard.checkpoint, name)
         for name in ("save", "load", "get_full_state_dict", "set_full_state_dict")
     },
+    "compshard.AdaScale": compshard.AdaScale,  # a class: its constructor's parameters
 }
 REQUIRED = "required"
 

@@ -38,7 +38,7 @@ LAYERS = [
     {"sharding"},
     {"passes"},
     {"inductor_regions", "checkpoint", "backend"},
-    {"inspection", "pipelining", "models"},
+    {"inspection", "pipelining", "models", "optim"},
     {"predict"},
     {"integrations"},
 ]
@@ -63,6 +63,7 @@ ABOVE_THE_PASSES = {
     "compshard.compile_cache",
     "compshard.tensor_parallel",
     "compshard.clip",
+    "compshard.optim",
 }
 # The most lines a library module, and one function in it, may have.
 MAX_FILE_LINES = 600

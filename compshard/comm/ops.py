@@ -9,6 +9,14 @@
     compshard-owned leaf whose ``.grad`` autograd accumulates, and no collective runs;
     ``"fold"``: ``grad_sink`` is that accumulated gradient, added to this gradient
     before the one ``reduce_grad``.
+    With ``norm_sink`` (a 0-d float32 leaf), the gradient's squared L2 norm in this
+    backward, before anything is added to it, is also returned as ``norm_sink``'s
+    gradient (so autograd sums it over the parameters that share the sink and the
+    backwards until it is read): this rank's local statistics for
+    :class:`compshard.AdaScale`, computed where the gradient is, in the graph.
+    With ``held`` (strategy ``"shard_optimizer"``: the full tensor kept on every rank
+    between steps), nothing is gathered: the result is ``held``'s value (the lowering
+    reads ``held`` itself, no copy), the gradient formula the same.
 ``compshard::reduce_grad(full_grad) -> local_grad``
     Reduce-scatters a full gradient to this rank's rows within the shard group
     (all-reduces a replicated one), then all-reduces the result across the replica group
@@ -40,7 +48,7 @@ from compshard.comm.layout import ShardLayout, group_rank, group_size, padded
 from compshard.comm.op_spec import ReduceGradArgs, UnshardArgs
 from compshard.comm.transport import all_gather_rows, sum_over_ranks
 
-__all__ = ["averaging_ranks"]
+__all__ = ["averaging_ranks", "square_norm"]
 
 
 def _shard_layout(full_shape: list[int], world_size: int, group_name: str) -> ShardLayout:
@@ -51,7 +59,15 @@ def _shard_layout(full_shape: list[int], world_size: int, group_name: str) -> Sh
 
 
 @torch.library.custom_op("compshard::unshard", mutates_args=())
-def unshard(shard: torch.Tensor, spec: str, grad_sink: torch.Tensor | None) -> torch.Tensor:
+def unshard(
+    shard: torch.Tensor,
+    spec: str,
+    grad_sink: torch.Tensor | None,
+    norm_sink: torch.Tensor | None = None,
+    held: torch.Tensor | None = None,
+) -> torch.Tensor:
+    if held is not None:  # the full tensor is held already (shard_optimizer): nothing to gather
+        return held.clone()
     args = UnshardArgs.of(shard, spec, grad_sink)
     layout = _shard_layout(args.full_shape, args.world_size, args.group_name)
     flat = shard.reshape(-1).to(args.param_dtype or shard.dtype)
@@ -64,7 +80,7 @@ def unshard(shard: torch.Tensor, spec: str, grad_sink: torch.Tensor | None) -> t
 
 
 @unshard.register_fake
-def _(shard, spec, grad_sink):
+def _(shard, spec, grad_sink, norm_sink=None, held=None):
     args = UnshardArgs.of(shard, spec, grad_sink)
     return shard.new_empty(args.full_shape, dtype=args.param_dtype or shard.dtype)
 
@@ -76,9 +92,10 @@ def _reduce_spec(unshard_spec: str, shard_dtype: torch.dtype) -> str:
 
 
 def _unshard_setup_context(ctx, inputs, output):
-    shard, spec, grad_sink = inputs
+    shard, spec, grad_sink, norm_sink, _ = inputs
     args = UnshardArgs.of(shard, spec, grad_sink)
     ctx.grad_sync = args.grad_sync
+    ctx.notes_norm = norm_sink is not None
     ctx.reduce_spec = _reduce_spec(spec, shard.dtype)
     if args.grad_sync == "accumulate":
         ctx.sink_dtype = grad_sink.dtype
@@ -87,12 +104,18 @@ def _unshard_setup_context(ctx, inputs, output):
 
 
 def _unshard_backward(ctx, grad):
+    norm = square_norm(grad) if ctx.notes_norm else None
     if ctx.grad_sync == "accumulate":  # autograd adds it to grad_sink.grad; nothing is communicated
-        return None, None, grad.to(ctx.sink_dtype)
+        return None, None, grad.to(ctx.sink_dtype), norm, None
     if ctx.grad_sync == "fold":
         (accumulated,) = ctx.saved_tensors
         grad = grad.to(accumulated.dtype) + accumulated
-    return torch.ops.compshard.reduce_grad(grad, ctx.reduce_spec), None, None
+    return torch.ops.compshard.reduce_grad(grad, ctx.reduce_spec), None, None, norm, None
+
+
+def square_norm(grad: torch.Tensor) -> torch.Tensor:
+    """The squared L2 norm of ``grad``, a 0-d float32 tensor (summed in float32)."""
+    return torch.linalg.vector_norm(grad, dtype=torch.float32).square()
 
 
 unshard.register_autograd(_unshard_backward, setup_context=_unshard_setup_context)

@@ -21,6 +21,8 @@ from compshard import backend
 from compshard.inspection.report import Report
 from compshard.options import CompileOptions
 from compshard.sharding import applied_config
+from compshard.sharding.grad_sync import grad_sync_state
+from compshard.sharding.held_params import step_gathers
 
 __all__ = ["inspect"]
 
@@ -56,7 +58,9 @@ def inspect(module: nn.Module, *args: Any, options: dict | None = None, profile:
             "reads a sharded parameter (compshard.shard) or whose options ask for recompute, a "
             "memory budget or codegen='inductor'; such graphs run as captured"
         )
-    return Report(captured, measured, applied_config(module))
+    config = applied_config(module)
+    step = step_gathers(grad_sync_state(module)) if config is not None else ()
+    return Report(captured, measured, config, step)
 
 
 def _measured_step(compiled: nn.Module, args: tuple, kwargs: dict, profile: bool) -> dict | None:

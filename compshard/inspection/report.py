@@ -29,14 +29,17 @@ from compshard.inspection.nodes import expert_exchange, only_views, op_name, pro
 from compshard.inspection.records import BucketEntry, Collective, ScheduleRow
 from compshard.inspection.trace import chrome_trace
 from compshard.logs import format_mib
+from compshard.module_tree import module_of
 from compshard.passes.fx_utils import program_collective
 from compshard.sharding import ShardingConfig
+from compshard.sharding.held_params import StepGather
 from compshard.timeline import Timeline, simulate
 
 __all__ = ["Report"]
 
 _LISTED_KINDS = (*COLLECTIVE_KINDS, "free")  # what report.collectives holds
 _FOLDED_KINDS = ("compute", "pack", "unpack")  # rows whose runs fold into one
+_STEP = "optimizer.step"  # the graph name of the gathers after each optimizer step (shard_optimizer)
 _FREED: dict[Freed, str] = {"buffer": "gather buffer", "params": "unpacked params"}  # as the table names them
 
 
@@ -62,7 +65,12 @@ class Report:
             After them, one ``"all_to_all"`` per call of expert parallelism's
             all-to-alls (``shard(experts=...)``: the tokens and outputs of one experts
             module, forward or backward), its ``unit`` and ``bucket`` the experts module,
-            its ``bytes`` those sent to other ranks when the routing is even.
+            its ``bytes`` those sent to other ranks when the routing is even. Last, for
+            ``strategy="shard_optimizer"``, the ``"all_gather"`` of each bucket that
+            refreshes the held full parameters after every optimizer step, its
+            ``graph`` ``"optimizer.step"`` (also the table's last rows).
+        step_gathers: those refresh gathers as
+            :class:`~compshard.sharding.held_params.StepGather` records.
         buckets: a :class:`~compshard.inspection.BucketEntry` per bucket of every plan,
             read by field or by key: ``name``, ``plan`` (its index in
             ``plans``), ``params``, ``bytes`` (gathered), ``keep_gathered`` and
@@ -90,8 +98,10 @@ class Report:
         compiled: list[backend.CompiledGraph],
         measured_trace: dict | None = None,
         config: ShardingConfig | None = None,
+        step_gathers: tuple[StepGather, ...] = (),
     ) -> None:
         self.config = config
+        self.step_gathers = step_gathers
         self.measured_trace = measured_trace
         latest: dict[int, CompilePlan] = {}  # each compile's plan as of its last graph (dicts keep first-seen order)
         for graph in compiled:
@@ -169,6 +179,20 @@ class Report:
             for node in gm.graph.nodes
             if (exchange := expert_exchange(node)) is not None
         ]
+        self.collectives += [
+            Collective(
+                graph=_STEP,
+                kind="all_gather",
+                unit=module_of(gather.params[0]),
+                bytes=gather.nbytes,
+                params=gather.params,
+                node=f"refresh.{index}",
+                op="all_gather_rows",
+                bucket=gather.bucket,
+                of=None,
+            )
+            for index, gather in enumerate(step_gathers)
+        ]
 
     def _bucket_label(self, meta: NodeMeta, graph_name: str) -> str:
         """The bucket(s) a scheduled node works on, joined by ``+``. A free names the
@@ -204,6 +228,10 @@ class Report:
                     rows[-1] = _folded(rows[-1], row)
                 else:
                     rows.append(row)
+        rows += [
+            ScheduleRow(_STEP, f"refresh.{i}", "all_gather", gather.bucket, 1, gather.nbytes, gather.seconds, 0, 0)
+            for i, gather in enumerate(self.step_gathers)
+        ]
         return rows
 
     def _row(self, graph_name: str, node: fx.Node, in_flight: int) -> ScheduleRow:

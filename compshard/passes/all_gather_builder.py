@@ -24,6 +24,7 @@ from compshard.passes.fx_utils import (
     emit,
     emit_view,
     first_use,
+    held_full,
     hoist_before,
     is_op,
     prims,
@@ -34,6 +35,11 @@ __all__ = ["gathered_remotely", "lower_gathers"]
 
 
 def _lower_locally(graph: fx.Graph, node: fx.Node, fake_values: FakeValues | None) -> None:
+    held = held_full(node)
+    if held is not None:  # its value is the full tensor held between steps: read as is
+        node.replace_all_uses_with(held)
+        graph.erase_node(node)
+        return
     args = unshard_args(node)
     shard, full_shape, param = args.shard, args.full_shape, args.param
     dtype = node.meta["val"].dtype
@@ -143,9 +149,14 @@ def _lower_gather(
 
 
 def gathered_remotely(unshard: fx.Node) -> bool:
-    """Whether ``unshard`` needs an all-gather: not at world size 1, not replicated (0-d)."""
+    """Whether ``unshard`` needs an all-gather: not at world size 1, not replicated (0-d),
+    not held between steps (``shard_optimizer``)."""
     args = unshard_args(unshard)
-    return args.world_size > 1 and not ShardLayout(tuple(args.full_shape), args.world_size, rank=0).replicated
+    return (
+        held_full(unshard) is None
+        and args.world_size > 1
+        and not ShardLayout(tuple(args.full_shape), args.world_size, rank=0).replicated
+    )
 
 
 def lower_gathers(

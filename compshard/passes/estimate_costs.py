@@ -1,7 +1,8 @@
 """Analysis pass: estimated seconds of every node, from the cost model.
 
 Writes ``NodeMeta.seconds`` (compute nodes: FLOPs and bytes, at the constants of the
-graph's first process group; collective starts: ``alpha + bytes * beta`` of the
+graph's first process group, or of the first group calibrated in a graph with no
+collective; collective starts: ``alpha + bytes * beta`` of the
 collective's own group, twice for an all-reduce). The constants were calibrated when the parameters were
 sharded and agreed across ranks (see ``cost_model``), so the decisions made from these
 estimates are the same on every rank.
@@ -12,7 +13,7 @@ from __future__ import annotations
 from torch import fx
 
 from compshard.compile_plan import COLLECTIVE_KINDS, node_meta, set_node_meta
-from compshard.cost_model import Costs, collective_seconds, costs_for, node_seconds
+from compshard.cost_model import collective_seconds, compute_costs, costs_for, node_seconds
 from compshard.passes.context import PassContext
 from compshard.passes.fx_utils import collective_group, op_arg
 
@@ -21,7 +22,7 @@ __all__ = ["estimate_costs"]
 
 def estimate_costs(graph: fx.Graph, ctx: PassContext) -> None:
     group_name = collective_group(graph)
-    costs = costs_for(group_name) if group_name else Costs()
+    costs = costs_for(group_name) if group_name else compute_costs()
     for node in graph.nodes:
         meta = node_meta(node)
         if meta.kind in COLLECTIVE_KINDS:

@@ -40,6 +40,7 @@ __all__ = [
     "first_arg",
     "op_arg",
     "unshard_args",
+    "held_full",
     "unshard_group",
     "reduce_grad_args",
     "output_values",
@@ -107,6 +108,16 @@ def op_arg(node: fx.Node, name: str) -> Any:
 def unshard_args(node: fx.Node) -> UnshardArgs:
     """A ``compshard::unshard`` node's arguments by name, its spec decoded."""
     return UnshardArgs.of(op_arg(node, "shard"), op_arg(node, "spec"), op_arg(node, "grad_sink"))
+
+
+def held_full(unshard: fx.Node) -> fx.Node | None:
+    """The ``held`` input of a ``compshard::unshard`` node: the full tensor kept between
+    steps (strategy ``"shard_optimizer"``), which the node's value is; None: it gathers."""
+    try:
+        held: fx.Node | None = op_arg(unshard, "held")
+    except KeyError:  # not passed: the default
+        return None
+    return held
 
 
 def unshard_group(graph: fx.Graph) -> str:

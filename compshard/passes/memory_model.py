@@ -27,6 +27,7 @@ from compshard.passes.fx_utils import (
     c10d,
     compshard_ops,
     first_arg,
+    held_full,
     is_op,
     is_view,
     op_arg,
@@ -72,6 +73,9 @@ def _storage_root(node: fx.Node, roots: dict[fx.Node, fx.Node | None], count_inp
         return None
     if isinstance(node.meta.get("val"), (list, tuple)):
         return None  # a multi-output node: its outputs count through their getitems
+    held = held_full(node) if is_op(node, compshard_ops.unshard.default) else None
+    if held is not None:  # its value is the full tensor held between steps (shard_optimizer)
+        return roots.get(held)
     aliased = first_arg(node) if node.target is operator.getitem and is_view(first_arg(node)) else node  # split's
     if is_view(aliased) or is_op(aliased, c10d.wait_tensor.default):
         parent = first_arg(aliased)

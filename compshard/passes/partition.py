@@ -8,7 +8,8 @@ of the forward node that produced it, and AOTAutograd returns them from the forw
 after the user's outputs. The plan gets their number (``saved_count``: the schedule
 check finds the saved outputs by it) and their bytes by kind in the recompute plan:
 ``"activations"``, ``"gathered params"`` (``unshard`` outputs and their views and casts)
-and ``"inputs"`` (graph inputs: shards, buffers, the batch); a storage saved through
+and ``"inputs"`` (graph inputs: shards, buffers, the batch, the full parameters that
+``"shard_optimizer"`` holds between steps); a storage saved through
 several values counts once. The backward's inputs saved from the forward's inputs are
 tagged for the memory model (``memory_model.mark_held_outside``).
 
@@ -32,7 +33,7 @@ from torch._functorch.partitioners import min_cut_rematerialization_partition
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from compshard.compile_plan import CompilePlan, RecomputePlan
-from compshard.passes.fx_utils import compshard_ops, gathered_chain, is_op
+from compshard.passes.fx_utils import compshard_ops, gathered_chain, held_full, is_op
 from compshard.passes.memory_model import mark_held_outside
 from compshard.sizes import size_hint
 
@@ -83,12 +84,11 @@ def _saved_tensors_first(forward: fx.GraphModule, backward: fx.GraphModule) -> N
 
 def _saved_bytes(forward: fx.Graph, saved: list[fx.Node]) -> dict[str, int]:
     produced = {node.name: node for node in forward.nodes}
-    gathered = {
-        member
-        for node in forward.nodes
-        if is_op(node, compshard_ops.unshard.default)
-        for member in gathered_chain(node)
-    }
+    gathered: set[fx.Node] = set()
+    held: set[fx.Node] = set()  # the full tensors held between steps (shard_optimizer): inputs
+    for node in forward.nodes:
+        if is_op(node, compshard_ops.unshard.default):
+            (gathered if held_full(node) is None else held).update(gathered_chain(node))
     totals = {"activations": 0, "gathered params": 0, "inputs": 0}
     counted = set()  # storages: a value and its views saved together count once
     for node in saved:
@@ -99,7 +99,7 @@ def _saved_bytes(forward: fx.Graph, saved: list[fx.Node]) -> dict[str, int]:
         if storage in counted:
             continue
         counted.add(storage)
-        if source.op == "placeholder":
+        if source.op == "placeholder" or source in held:
             kind = "inputs"
         elif source in gathered:
             kind = "gathered params"

@@ -72,8 +72,9 @@ class ShardKeywords:
 
 @dataclass(frozen=True)
 class MemoryEstimate:
-    """Bytes one rank holds at the step's peak. Parameter shards and optimizer state are
-    held throughout; the rest is what the compiled graph holding the peak (``peak_graph``)
+    """Bytes one rank holds at the step's peak. Parameter shards (and under
+    ``"shard_optimizer"`` the full parameters beside them) and optimizer state are held
+    throughout; the rest is what the compiled graph holding the peak (``peak_graph``)
     has live then."""
 
     parameters: int
@@ -112,10 +113,11 @@ class StepEstimate:
     exposed_waits: tuple[tuple[str, str, float], ...] = ()  # (graph, bucket or unit, seconds), largest first
     tensor_parallel: float = 0.0  # tensor parallelism's collectives, on the critical path (compute waits for each)
     expert_parallel: float = 0.0  # expert parallelism's all-to-alls, on the critical path too
+    step_gather: float = 0.0  # "shard_optimizer": the all-gathers after the update, not overlapped
 
     @property
     def total(self) -> float:
-        return self.forward + self.backward + self.optimizer + self.outside_graphs
+        return self.forward + self.backward + self.optimizer + self.step_gather + self.outside_graphs
 
 
 @dataclass
@@ -214,7 +216,9 @@ class Forecast:
             f"memory per rank (GiB), peak in {m.peak_graph}{capacity}:",
             self._memory_table(),
             f"step {s.total * 1e3:.1f} ms = forward {s.forward * 1e3:.1f} + backward {s.backward * 1e3:.1f} + "
-            f"optimizer {s.optimizer * 1e3:.1f} + outside the graphs {s.outside_graphs * 1e3:.1f}",
+            f"optimizer {s.optimizer * 1e3:.1f}"
+            + (f" + all-gathers after it {s.step_gather * 1e3:.1f}" if s.step_gather else "")
+            + f" + outside the graphs {s.outside_graphs * 1e3:.1f}",
             f"critical path: compute {s.compute * 1e3:.1f} ms + exposed communication "
             f"{s.exposed_communication * 1e3:.1f} ms ({self.communication_share:.1%} of the step; all collectives "
             f"{s.communication * 1e3:.1f} ms)"

@@ -40,7 +40,9 @@ from torch.distributed.tensor import DTensor
 
 from compshard.comm.layout import ShardLayout
 from compshard.compile_plan import MiB
+from compshard.cost_model import Costs
 from compshard.inspection import Report
+from compshard.module_tree import module_of, repeated_block, repeated_containers
 from compshard.options import CompileOptions
 from compshard.predict import hardware as hardware_presets
 from compshard.predict.depth import COMPILED_BLOCKS, Depth, extrapolated, stack_to_extrapolate
@@ -306,7 +308,9 @@ def _forecast_setup(job: _Job, sharding: ShardKeywords, options: CompileOptions)
     )
     params, tensors = sum(math.prod(shape) * dtype.itemsize for shape, dtype in shards), len(shards)
     peak_graph = max(estimates.peaks, key=lambda graph: sum(estimates.peaks[graph].values()))
-    bytes_per_second = job.machine.group_costs(range(shard_size), compute_dtype).bytes_per_second
+    group_costs = job.machine.group_costs(range(shard_size), compute_dtype)
+    bytes_per_second = group_costs.bytes_per_second
+    held, step_gather = _held_parameters(job.meta_model, sharding, compute_dtype, group_costs)
     exposed = estimates.exposed_communication
     return Forecast(
         world_size=job.world_size,
@@ -317,7 +321,7 @@ def _forecast_setup(job: _Job, sharding: ShardKeywords, options: CompileOptions)
         options=options,
         tokens_per_rank=job.tokens // job.tp,
         memory=MemoryEstimate(
-            parameters=params,
+            parameters=params + held,
             optimizer_state=job.optimizer_states * params,
             peak_graph=peak_graph,
             **estimates.peaks[peak_graph],
@@ -337,6 +341,7 @@ def _forecast_setup(job: _Job, sharding: ShardKeywords, options: CompileOptions)
             exposed_waits=longest_waits(schedule),
             tensor_parallel=estimates.tensor_parallel,
             expert_parallel=estimates.expert_parallel,
+            step_gather=step_gather,
         ),
         memory_capacity=job.machine.memory_bytes,
         tp=job.tp,
@@ -363,6 +368,21 @@ def _parameter_dtype(model: nn.Module) -> torch.dtype:
         if param.is_floating_point():
             counts[param.dtype] = counts.get(param.dtype, 0) + param.numel()
     return max(counts, key=counts.__getitem__, default=torch.float32)
+
+
+def _held_parameters(
+    model: nn.Module, sharding: ShardKeywords, compute_dtype: torch.dtype, costs: Costs
+) -> tuple[int, float]:
+    """(bytes, seconds) of the full parameters ``"shard_optimizer"`` holds on each rank and
+    of their all-gathers after each update (one per repeated block and one for the rest,
+    as ``compshard.sharding.held_params`` buckets them); (0, 0.0) for other strategies."""
+    if sharding.strategy != "shard_optimizer":
+        return 0, 0.0
+    params = {id(p): p for p in model.parameters()}.values()
+    held = sum(p.numel() for p in params) * compute_dtype.itemsize
+    containers = repeated_containers(module_of(name) for name, _ in model.named_parameters())
+    units = {repeated_block(module_of(name), containers) for name, _ in model.named_parameters()}
+    return held, len(units) * costs.alpha + held * costs.beta
 
 
 def _rank0_shards(model: nn.Module, shard_size: int) -> list[tuple[tuple[int, ...], torch.dtype]]:

@@ -8,9 +8,11 @@ process group initialized the world is one rank and parameters stay plain tensor
 
 Strategies reduce to two process groups per parameter: the *shard group* its rows are
 split over and gathered within (one rank for ``"no_shard"``), and the *replica group*
-its reduced gradient is all-reduced across afterwards (none for ``"full_shard"`` and
-``"shard_grad_op"``). ``"shard_grad_op"`` is ``"full_shard"`` with gathered parameters kept
-from forward to backward.
+its reduced gradient is all-reduced across afterwards (none for ``"full_shard"``,
+``"shard_grad_op"`` and ``"shard_optimizer"``). ``"shard_grad_op"`` is ``"full_shard"``
+with gathered parameters kept from forward to backward; ``"shard_optimizer"`` is
+``"full_shard"`` with the full parameters held between steps
+(:mod:`compshard.sharding.held_params`).
 
 Reads of ``module.<name>`` gather inside the model's forward only
 (:mod:`compshard.sharding.reads`). ``state_dict`` and ``named_parameters`` read
@@ -39,6 +41,7 @@ from compshard.sharding.conversions import install_sharded_class
 from compshard.sharding.experts import expert_spec, install_expert_forwards, shard_expert_param
 from compshard.sharding.grad_routing import local_tensor, register_model, route_local_gradients
 from compshard.sharding.grad_sync import GradSync
+from compshard.sharding.held_params import hold_full_parameter, install_refreshes
 from compshard.sharding.initial_values import broadcast_from_first_rank
 from compshard.sharding.reads import install_forward_scopes, install_gather_units
 from compshard.sharding.spec import ParamSpec, ShardingConfig, Strategy
@@ -73,11 +76,13 @@ def shard(
         strategy: ``"full_shard"`` (ZeRO-3: parameters, gradients and optimizer state
             split, parameters gathered for each use), ``"shard_grad_op"`` (ZeRO-2: gathered
             parameters kept from forward to backward), ``"no_shard"`` (DDP: gradients
-            all-reduced) or ``"hybrid_shard"`` (split within the mesh's shard dimension,
-            replicated across its replicate one); the trade-offs: ``docs/training.md``.
+            all-reduced), ``"hybrid_shard"`` (split within the mesh's shard dimension,
+            replicated across its replicate one) or ``"shard_optimizer"`` (ZeRO-1: full
+            parameters held on every rank, gathered after each optimizer step; gradients
+            and optimizer state split); the trade-offs: ``docs/training.md``.
         reshard_after_forward: free gathered parameters after their last forward use and
             gather them again in backward. ``None``: as the strategy says (``False`` for
-            ``"shard_grad_op"``, ``True`` otherwise).
+            ``"shard_grad_op"`` and ``"shard_optimizer"``, ``True`` otherwise).
         param_dtype: dtype parameters are gathered and computed in (``None``: their own).
             Shards stay in their dtype: they are the optimizer's master weights.
         reduce_dtype: dtype gradients are reduced (and accumulated, under ``no_sync``) in
@@ -133,6 +138,13 @@ def shard(
         liveness.start()  # from here on, a rank that fails or dies is noticed by the others' waits
         broadcast_from_first_rank(module, resolved.mesh)
         _calibrate(resolved)
+    _install(module, resolved)
+    return module
+
+
+def _install(module: nn.Module, resolved: Resolved) -> None:
+    """What ``shard`` does once its arguments are resolved (and the first rank's values
+    broadcast): the parameters sharded, the state records, the read path and hooks."""
     grad_sync = GradSync()
     register_model(grad_sync)
     _shard_parameters(module, resolved, grad_sync)
@@ -142,10 +154,11 @@ def shard(
     install_gather_units(module, resolved.config.gather_units or ())
     install_forward_scopes(module)
     install_expert_forwards(resolved.experts)
+    if grad_sync.held is not None:
+        install_refreshes(module, grad_sync)
     _cast_buffers(module, resolved.config.buffer_dtype)
     _refuse_stale_optimizers()
     _install_casts(module, resolved.config)
-    return module
 
 
 def param_specs(module: nn.Module) -> dict[str, ParamSpec]:
@@ -187,6 +200,13 @@ def _shard_parameters(module: nn.Module, resolved: Resolved, grad_sync: GradSync
     :mod:`compshard.sharding.experts` says."""
     groups, config, expert_groups = resolved.groups, resolved.config, resolved.experts
     tp_layouts = tensor_parallel.layouts(module, resolved.mesh, groups.placements)
+    if tp_layouts and config.strategy == "shard_optimizer":
+        raise ValueError(
+            "compshard.shard: strategy='shard_optimizer' with a tensor-parallel plan is not supported yet; "
+            "use strategy='full_shard' or 'shard_grad_op' on the data-parallel mesh dimension"
+        )
+    # (one rank without a process group: the parameters are plain tensors, read as they are)
+    held = grad_sync.held = {} if config.strategy == "shard_optimizer" and resolved.mesh is not None else None
     expert_modules = {id(sub) for sub in expert_groups.modules.values()} if expert_groups is not None else set()
     sharded: dict[int, tuple[nn.Parameter, ParamSpec, tensor_parallel.TensorParallelLayout | None]] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -217,6 +237,8 @@ def _shard_parameters(module: nn.Module, resolved: Resolved, grad_sync: GradSync
                     at_rest = _shard_param(original, spec, resolved.mesh, groups, layout)
                 sharded[id(original)] = (at_rest, spec, layout)
                 grad_sync.specs[spec.fqn] = spec
+                if held is not None:
+                    held[spec.fqn] = hold_full_parameter(original, spec)
                 if isinstance(at_rest, DTensor):
                     grad_sync.routed[spec.fqn] = at_rest
                 original._compshard_replaced_by_shard = spec.fqn

@@ -26,6 +26,7 @@ __all__ = [
     "check_dtype",
     "check_flag",
     "check_gather_units",
+    "check_held_parameters",
     "check_mesh",
     "default_mesh",
     "groups",
@@ -113,12 +114,31 @@ def resolve_reshard(strategy: str, reshard_after_forward: bool | None) -> bool:
     if reshard_after_forward is None:
         return strategy in ("full_shard", "hybrid_shard")
     check_flag("reshard_after_forward", reshard_after_forward)
-    if strategy == "shard_grad_op" and reshard_after_forward:
+    if strategy in ("shard_grad_op", "shard_optimizer") and reshard_after_forward:
+        kept = "from forward to backward" if strategy == "shard_grad_op" else "between steps"
         raise ValueError(
-            "compshard.shard: strategy='shard_grad_op' keeps parameters gathered from forward to "
-            "backward; reshard_after_forward=True contradicts it (use 'full_shard', or leave it None)"
+            f"compshard.shard: strategy={strategy!r} keeps parameters gathered {kept}; "
+            "reshard_after_forward=True contradicts it (use 'full_shard', or leave it None)"
         )
     return reshard_after_forward
+
+
+def check_held_parameters(module: nn.Module, strategy: str, offload: bool) -> None:
+    """``"shard_optimizer"`` holds every full parameter on every rank, so they must have
+    values (not the meta device) and stay on the compute device (no offload)."""
+    if strategy != "shard_optimizer":
+        return
+    if offload:
+        raise ValueError(
+            "compshard.shard: strategy='shard_optimizer' keeps the full parameters on every rank's device, so "
+            "offload=True has nothing to offload but the optimizer's rows; use strategy='full_shard' with offload"
+        )
+    if any(p.is_meta for p in module.parameters()):
+        raise ValueError(
+            "compshard.shard: strategy='shard_optimizer' keeps every full parameter on every rank, taken from the "
+            "model's values, but some are on the meta device: materialize the model first (it must fit on each "
+            "rank anyway), or use strategy='full_shard' for meta-device initialization"
+        )
 
 
 def offload_device(offload: bool, module: nn.Module, mesh: DeviceMesh | None) -> tuple[str, torch.device | None]:
@@ -240,6 +260,7 @@ def resolve(
         check_dtype(option, dtype)
     check_flag("cast_forward_inputs", cast_forward_inputs)
     check_mesh(strategy, mesh)
+    check_held_parameters(module, strategy, offload)
     units = check_gather_units(module, gather_units)
     warn_if_compiled_before(module)
     if mesh is None:

@@ -14,6 +14,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from compshard.sharding.grad_routing import route_local_gradients
+from compshard.sharding.held_params import convert_held
 from compshard.sharding.reads import sharded_property
 from compshard.sharding.state import has_state, state_of
 
@@ -48,9 +49,11 @@ def plain_class(cls: type) -> type | None:
 # registries of parameters by strong reference (``GradSync.routed``). And the swapped-in
 # local tensor is a fresh detached tensor, so each sharded module's ``_apply`` makes it a
 # gradient leaf again (:func:`~compshard.sharding.grad_routing.route_local_gradients`), as FSDP2
-# refreshes its per-parameter record after ``_apply``. What a conversion cannot keep consistent is refused before any
-# parameter changes: a move of shards off their mesh's device type (every rank's shards
-# live where its mesh's collectives run), or any device move of offloaded shards.
+# refreshes its per-parameter record after ``_apply``; the full tensors a "shard_optimizer"
+# model holds get the same conversion (:mod:`compshard.sharding.held_params`). What a
+# conversion cannot keep consistent is refused before any parameter changes: a move of
+# shards off their mesh's device type (every rank's shards live where its mesh's
+# collectives run), or any device move of offloaded shards.
 _CONVERTING: list[nn.Module] = []  # the outermost sharded module whose _apply is running
 
 
@@ -68,6 +71,9 @@ def _sharded_apply(base: type[nn.Module]) -> Any:
         for param in self._parameters.values():
             if isinstance(param, DTensor):
                 route_local_gradients(param)
+        state = state_of(self) if has_state(self) else None
+        if state is not None and state.specs and state.grad_sync.held is not None:
+            convert_held(state.grad_sync, [spec.fqn for spec in state.specs.values()], fn)
         return result
 
     _apply.__doc__ = "nn.Module._apply keeping the shards consistent ([Note: conversions of a sharded module])"

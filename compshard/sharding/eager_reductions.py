@@ -71,6 +71,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor
 
 from compshard.comm.op_spec import ReduceGradArgs, UnshardArgs
+from compshard.sharding.grad_norms import GradNorms
 
 __all__ = [
     "EagerReductions",
@@ -135,6 +136,7 @@ class EagerReductions:
     open_call: list[_Pending] | None = None  # the gathers of the unit call being entered
     received_now: list[_Pending] = field(default_factory=list)  # gradients of this backward, for the check
     in_backward: bool = False  # a backward has delivered a gradient; ``finish`` is queued at its end
+    norms: GradNorms | None = None  # where each reduced gradient's local squared norm goes (compshard.AdaScale)
 
     def push(
         self,
@@ -248,6 +250,8 @@ class EagerReductions:
         if grad is None:  # skipped: its contribution to the sum over ranks is zero
             shape = reduction.reduce_args.full_shape
             grad = torch.zeros(shape, dtype=reduction.gathered_dtype, device=reduction.device)
+        if self.norms is not None:  # this backward's gradient, before the accumulation is folded in
+            self.norms.note(reduction.fqn, grad)
         if reduction.sink is not None:  # as the compiled "fold" backward adds it
             grad = grad.to(reduction.sink.dtype) + reduction.sink
         reduction.total = reduction.sink = None
@@ -333,16 +337,35 @@ class _DeferredGather(torch.autograd.Function):
 
     @staticmethod
     def forward(
-        ctx: Any, shard: torch.Tensor, reductions: EagerReductions, item: _Pending, args: UnshardArgs
+        ctx: Any,
+        shard: torch.Tensor,
+        reductions: EagerReductions,
+        item: _Pending,
+        args: UnshardArgs,
+        held: torch.Tensor | None,
     ) -> torch.Tensor:
         ctx.reductions, ctx.item = reductions, item
         item.node = weakref.ref(ctx)
-        return args._replace(shard=shard).call()
+        return held.view_as(held) if held is not None else args._replace(shard=shard).call()
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None]:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, None, None, None, None]:
         ctx.reductions.received(ctx.item, grad)
-        return None, None, None, None
+        return None, None, None, None, None
+
+
+class _HeldAccumulation(torch.autograd.Function):
+    """A held full tensor (``"shard_optimizer"``) read under ``no_sync``: its gradient goes
+    to the parameter's gradient sink, as ``unshard``'s ``"accumulate"`` formula sends it."""
+
+    @staticmethod
+    def forward(ctx: Any, sink: torch.Tensor, held: torch.Tensor) -> torch.Tensor:
+        ctx.sink_dtype = sink.dtype
+        return held.view_as(held)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad.to(ctx.sink_dtype), None
 
 
 def gather(
@@ -351,21 +374,30 @@ def gather(
     unshard_args: tuple[str, torch.Tensor | None],
     reductions: EagerReductions,
     communicates: bool,
+    held: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Uncompiled ``compshard::unshard`` of ``shard`` (``param``'s local rows).
 
     ``unshard_args``: the op's arguments after the shard (its spec and gradient sink).
-    When the gradient is reduced by a collective (``communicates`` and sync mode
-    ``reduce`` or ``fold``) and autograd records, the reduction is deferred to the end of
-    backward; otherwise the op runs as is.
+    ``held``: the parameter's full tensor held between steps (``"shard_optimizer"``),
+    returned instead of a gathered one (a view: nothing is copied).
+    When the gradient is reduced by a collective (``communicates``, or its local norm is
+    taken: ``reductions.norms``), in sync mode ``reduce`` or ``fold``, and autograd
+    records, the reduction is deferred to the end of backward; otherwise the op runs as
+    is.
     """
+    communicates = communicates or reductions.norms is not None
     args = UnshardArgs.of(shard, *unshard_args)
     if args.grad_sync == "accumulate":
         # The gradient goes to the sink, none to the shard: detached, no backward reaches
         # the parameter (torch 2.11's to_local would hand it zeros for that None).
         args = args._replace(shard=shard.detach())
     if not (communicates and args.grad_sync != "accumulate" and torch.is_grad_enabled() and param.requires_grad):
-        return args.call()
+        if held is None:
+            return args.call()
+        if args.grad_sync == "accumulate" and torch.is_grad_enabled() and param.requires_grad:
+            return _HeldAccumulation.apply(args.grad_sink, held)
+        return held.detach()
     check_no_tensor_hooks(param, args.param)  # before any collective of this step
     gathered_dtype = args.param_dtype if args.param_dtype is not None else shard.dtype
     call = reductions.open_call if reductions.open_call is not None else []
@@ -384,4 +416,4 @@ def gather(
     # A leaf of its own, not the parameter: autograd would run the parameter's hooks as its
     # AccumulateGrad node ran (with no gradient, before the reduction); the reduction delivers
     # the gradient and runs its post-accumulate-grad hooks (EagerReductions._reduce) instead.
-    return _DeferredGather.apply(shard.detach().requires_grad_(), reductions, item, args)
+    return _DeferredGather.apply(shard.detach().requires_grad_(), reductions, item, args, held)

@@ -21,7 +21,7 @@ from compshard.sharding import initial_values
 from compshard.sharding.eager_reductions import accumulate_grad
 from compshard.sharding.grad_sync import GradSync
 
-__all__ = ["local_tensor", "move_local_gradients", "register_model", "route_local_gradients"]
+__all__ = ["local_tensor", "move_local_gradients", "register_model", "route_local_gradients", "sharded_models"]
 
 # the gradient-sync state of every live sharded model, whose ``routed`` parameters'
 # local tensors compiled graphs take (weakly: a model that is gone is not walked)
@@ -31,6 +31,11 @@ _MODELS: weakref.WeakSet[GradSync] = weakref.WeakSet()
 def register_model(grad_sync: GradSync) -> None:
     """Walk ``grad_sync.routed`` at the end of each backward from now on, while it lives."""
     _MODELS.add(grad_sync)
+
+
+def sharded_models() -> list[GradSync]:
+    """The gradient-sync state of every live sharded model."""
+    return list(_MODELS)
 
 
 def route_local_gradients(param: nn.Parameter) -> None:

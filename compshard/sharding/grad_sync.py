@@ -42,6 +42,7 @@ from compshard.comm.ops import averaging_ranks
 from compshard.comm.transport import exchanged_rows, sum_over_ranks, sum_rows_into_shards, transport_for
 from compshard.options import CompileOptions
 from compshard.sharding.eager_reductions import EagerReductions, accumulate_grad
+from compshard.sharding.grad_norms import GradNorms
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -74,6 +75,19 @@ class GradSync:
         # parameter name -> full tensor gathered for the step, which parameter reads return and
         # whose .grad accumulates; None outside compshard.sharding.gathered_for_step
         self.step_gathered: dict[str, torch.Tensor] | None = None
+        # strategy "shard_optimizer": parameter name -> its full tensor, held between steps, which
+        # parameter reads return (compshard.sharding.held_params); None under other strategies
+        self.held: dict[str, torch.Tensor] | None = None
+        # each rank's local squared gradient norms, taken for compshard.AdaScale (None: not taken)
+        self.norms: GradNorms | None = None
+
+    def record_norms(self, norms: GradNorms | None) -> None:
+        """Take each backward's local squared gradient norms into ``norms`` from now on
+        (:mod:`compshard.sharding.grad_norms`; None: stop)."""
+        self.norms = self.eager.norms = norms
+        if norms is not None:
+            for name, sink in self.sinks.items():
+                sink.register_hook(norms.sink_hook(name))
 
     def claim(self, param: str) -> tuple[str, torch.Tensor | None]:
         """``(grad_sync, grad_sink)`` arguments of the parameter's next ``unshard``, claimed
@@ -289,7 +303,10 @@ def set_requires_gradient_sync(module: nn.Module, requires_gradient_sync: bool) 
             continue
         dtype = spec.reduce_dtype or spec.param_dtype or params[name].dtype
         device = spec.compute_device or params[name].device
-        state.sinks[name] = torch.zeros((), dtype=dtype, device=device).expand(spec.full_shape).requires_grad_()
+        sink = torch.zeros((), dtype=dtype, device=device).expand(spec.full_shape).requires_grad_()
+        if state.norms is not None:
+            sink.register_hook(state.norms.sink_hook(name))
+        state.sinks[name] = sink
 
 
 def reduce_accumulated_gradients(

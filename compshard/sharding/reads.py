@@ -216,16 +216,26 @@ def _unshard(module: nn.Module, name: str, state: GradSync) -> torch.Tensor:
         if spec.compute_device is not None:
             shard = shard.to(spec.compute_device, non_blocking=True)
         # with no gradient sink (no_sync never used), every read claims ("reduce", None)
+        grad_sync = "reduce"
         if state.sinks:
             grad_sync, grad_sink = state.claim(spec.fqn)
             args = (spec.unshard_specs[grad_sync], grad_sink)
         else:
             args = read.reduce_args
+        # "shard_optimizer": the full tensor held between steps (compshard.sharding.held_params)
+        held = state.held[spec.fqn] if state.held is not None else None
         if torch.compiler.is_compiling():
-            full = torch.ops.compshard.unshard(shard, *args)
+            # local gradient norms (compshard.sharding.grad_norms): an accumulated gradient's
+            # norm is taken at its sink, a reduced one's in the graph
+            norms = state.norms
+            norm_sink = norms.sink_for(spec.fqn) if norms is not None and grad_sync != "accumulate" else None
+            if norm_sink is not None or held is not None:
+                full = torch.ops.compshard.unshard(shard, *args, norm_sink, held)
+            else:
+                full = torch.ops.compshard.unshard(shard, *args)
         else:
             communicates = spec.world_size > 1 or bool(spec.replicate_group)
-            full = eager_reductions.gather(param, shard, args, state.eager, communicates)
+            full = eager_reductions.gather(param, shard, args, state.eager, communicates, held)
     if not read.placed:
         return full
     tensor_parallel = state_of(module).tensor_parallel
@@ -265,7 +275,13 @@ def _gather_members(unit: nn.Module) -> dict[str, torch.Tensor]:
         name = members[0].names[0][0]
         path = unit_state.unit_path
         _agree(path, path, state_of(first).specs[name], first._parameters[name])
-    if torch.compiler.is_compiling() and state.step_gathered is None and not state.sinks:
+    if (
+        torch.compiler.is_compiling()
+        and state.step_gathered is None
+        and not state.sinks
+        and state.norms is None
+        and state.held is None
+    ):
         reads = _compiled_reads(unit)
         if reads is not None:
             return _gather_compiled(unit, reads)

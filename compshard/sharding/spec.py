@@ -16,7 +16,7 @@ from compshard.comm.op_spec import GRAD_SYNC_MODES, UnshardArgs
 
 __all__ = ["STRATEGIES", "ParamSpec", "ShardingConfig", "Strategy"]
 
-Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard"]
+Strategy = Literal["full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "shard_optimizer"]
 STRATEGIES: tuple[str, ...] = get_args(Strategy)
 
 

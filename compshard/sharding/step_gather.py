@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple
 
 import torch
@@ -51,7 +51,7 @@ from compshard.comm.transport import all_gather_rows
 from compshard.sharding.grad_sync import DEFAULT_BUCKET_BYTES, consecutive_buckets, grad_sync_state
 from compshard.sharding.spec import ParamSpec
 
-__all__ = ["gathered_for_step"]
+__all__ = ["gather_buckets", "gathered_for_step", "shard_buckets"]
 
 
 class _Shard(NamedTuple):
@@ -60,11 +60,12 @@ class _Shard(NamedTuple):
     spec: ParamSpec
     rows: torch.Tensor  # this rank's rows, on the compute device
     dtype: torch.dtype
+    unit: str | None  # parameters of different units are gathered apart (None: any may share)
 
     @property
     def key(self) -> tuple:
         """What parameters gathered in one collective must share."""
-        return (self.spec.world_size, self.spec.group_name, self.dtype, self.rows.device)
+        return (self.spec.world_size, self.spec.group_name, self.dtype, self.rows.device, self.unit)
 
     @property
     def nbytes(self) -> int:  # gathered
@@ -103,24 +104,50 @@ def gathered_for_step(module: nn.Module, *, bucket_bytes: int = DEFAULT_BUCKET_B
 def _gather(module: nn.Module, bucket_bytes: int) -> dict[str, torch.Tensor]:
     """Each parameter's full tensor, by canonical name, gathered in buckets."""
     params = dict(module.named_parameters())
-
-    def shards() -> Iterator[_Shard]:
-        for name, spec in grad_sync_state(module).specs.items():
-            param = params[name]
-            rows = param.to_local() if hasattr(param, "to_local") else param
-            if spec.compute_device is not None:
-                rows = rows.to(spec.compute_device, non_blocking=True)
-            yield _Shard(spec, rows, spec.param_dtype or rows.dtype)
-
     gathered: dict[str, torch.Tensor] = {}
+    for bucket in gather_buckets(grad_sync_state(module).specs.values(), params, bucket_bytes):
+        gathered.update(_as_leaves(bucket, params))
+    return gathered
+
+
+def gather_buckets(
+    specs: Iterable[ParamSpec],
+    params: Mapping[str, nn.Parameter],
+    bucket_bytes: int,
+    unit_of: Callable[[str], str | None] = lambda name: None,
+) -> Iterator[list[tuple[ParamSpec, torch.Tensor]]]:
+    """The full tensors (in the gathered dtype, without autograd) of the parameters of
+    ``specs`` (``params``: canonical name -> parameter), one bucket at a time, as the
+    module docstring says: each bucket's all-gather runs when the bucket is taken
+    (``unit_of``: as :func:`shard_buckets` takes it)."""
     with torch.no_grad():
-        for bucket in consecutive_buckets(shards(), bucket_bytes, alone=lambda item: not item.communicates):
+        for bucket in shard_buckets(specs, params, bucket_bytes, unit_of):
             if bucket[0].communicates:
                 full = _all_gather(bucket)
             else:
                 full = [bucket[0].rows.to(bucket[0].dtype, copy=True).view(bucket[0].spec.full_shape)]
-            gathered.update(_as_leaves(bucket, full, params))
-    return gathered
+            yield [(item.spec, tensor) for item, tensor in zip(bucket, full)]
+
+
+def shard_buckets(
+    specs: Iterable[ParamSpec],
+    params: Mapping[str, nn.Parameter],
+    bucket_bytes: int,
+    unit_of: Callable[[str], str | None] = lambda name: None,
+) -> Iterator[list[_Shard]]:
+    """The buckets :func:`gather_buckets` gathers (a bucket that does not
+    :attr:`~_Shard.communicates` is one parameter, copied); ``unit_of``: parameter name
+    -> the unit whose parameters alone may share a bucket (None: any)."""
+
+    def shards() -> Iterator[_Shard]:
+        for spec in specs:
+            param = params[spec.fqn]
+            rows = param.to_local() if hasattr(param, "to_local") else param
+            if spec.compute_device is not None:
+                rows = rows.to(spec.compute_device, non_blocking=True)
+            yield _Shard(spec, rows, spec.param_dtype or rows.dtype, unit_of(spec.fqn))
+
+    yield from consecutive_buckets(shards(), bucket_bytes, alone=lambda item: not item.communicates)
 
 
 def _all_gather(bucket: list[_Shard]) -> list[torch.Tensor]:
@@ -144,11 +171,8 @@ def _all_gather(bucket: list[_Shard]) -> list[torch.Tensor]:
 
 
 def _as_leaves(
-    items: list[_Shard], full: list[torch.Tensor], params: dict[str, nn.Parameter]
+    bucket: list[tuple[ParamSpec, torch.Tensor]], params: dict[str, nn.Parameter]
 ) -> dict[str, torch.Tensor]:
     """The gathered tensors as autograd leaves that accumulate their parameter's full
     gradient (frozen parameters stay without grad)."""
-    return {
-        item.spec.fqn: tensor.detach().requires_grad_(params[item.spec.fqn].requires_grad)
-        for item, tensor in zip(items, full)
-    }
+    return {spec.fqn: tensor.detach().requires_grad_(params[spec.fqn].requires_grad) for spec, tensor in bucket}

@@ -477,3 +477,26 @@ def test_forecast_with_split_experts_prices_their_all_to_alls():
         assert f"experts split over {ep}" in str(report) and "expert all-to-alls" in str(report)
         assert report.memory.parameters == pytest.approx(total / 4, rel=0.01)
     assert reports[2].step.expert_parallel < reports[4].step.expert_parallel
+
+
+def test_forecast_of_shard_optimizer_holds_the_full_parameters_and_prices_their_gathers(forecasts):
+    """``strategy="shard_optimizer"``: each rank holds its rows and the full parameters,
+    the optimizer state of its rows only; no all-gather in forward or backward, and the
+    all-gathers after the update priced in the step (one per block and one for the rest)."""
+    model, x, full, _ = forecasts
+    report = compshard.forecast(
+        model, x, x, world_size=16, options=UNJOINED, sharding={"strategy": "shard_optimizer"}, depth="exact"
+    )
+    total = sum(p.numel() * p.element_size() for p in {id(p): p for p in model.parameters()}.values())
+    assert report.memory.parameters == _rank0_shard_bytes(model, 16) + total
+    assert report.memory.optimizer_state == full.memory.optimizer_state
+    assert report.memory.gathered_parameters == 0
+    graphs = {c.graph for c in report.schedule.collectives if c.kind == "all_gather"}
+    assert graphs == {"optimizer.step"}
+    gathers = [c for c in report.schedule.collectives if c.graph == "optimizer.step"]
+    assert len(gathers) == FOUR_BLOCKS.n_layer + 1
+    step = report.step
+    assert step.step_gather > 0 and "all-gathers after it" in str(report)
+    assert step.total == pytest.approx(
+        step.forward + step.backward + step.optimizer + step.step_gather + step.outside_graphs
+    )
