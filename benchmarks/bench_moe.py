@@ -35,7 +35,6 @@ from __future__ import annotations
 import argparse
 import copy
 import os
-import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -73,11 +72,13 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 from harness import (  # noqa: E402
     CausalLMLoss,
-    Result,
+    combined_row,
     import_transformers,
     init_distributed,
     mib,
     progress,
+    step_and_peak_cells,
+    step_and_peak_headers,
     train,
     wrap_fsdp2,
     write_results,
@@ -204,7 +205,7 @@ def main(args: argparse.Namespace) -> None:
         gathers = _scheduled_bytes(model, batch, world_size, expert_shard)  # one step: the all-to-alls counted
         sent.counting = False
         sent_bytes[name] = gathers + sent.total
-    rows = {name: row(results[name], sent_bytes[name]) for name in SYSTEMS}
+    rows = {name: combined_row(results[name], sent_bytes=sent_bytes[name]) for name in SYSTEMS}
     if rank == 0:
         print(f"{args.size}: {world_size} ranks, experts split over {ep}")
         print(tabulate(table(rows, args.batch * shape.seq), headers=HEADERS))
@@ -214,31 +215,14 @@ def main(args: argparse.Namespace) -> None:
     dist.destroy_process_group()
 
 
-def row(result: Result, sent_bytes: int) -> dict:
-    """One system's result, the ranks' figures combined (collective)."""
-    per_rank: list = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes, result.state_bytes, sent_bytes))
-    return {
-        "losses": result.losses,
-        "median_step_seconds": max(statistics.median(steps) for steps, *_ in per_rank),
-        "peak_bytes": max(peak for _, peak, *_ in per_rank),
-        "state_bytes": max(state for _, _, state, _ in per_rank),
-        "sent_bytes_per_rank": [sent for *_, sent in per_rank],
-        "step_seconds_per_rank": [steps for steps, *_ in per_rank],
-    }
-
-
 def table(rows: dict[str, dict], tokens: int) -> list[list]:
     base = rows["fsdp2"]
     return [
         [
             name,
-            f"{row['median_step_seconds'] * 1e3:.1f}",
-            f"{row['median_step_seconds'] / base['median_step_seconds']:.2f}",
+            *step_and_peak_cells(row, base),
             mib(max(row["sent_bytes_per_rank"])),
             f"{max(row['sent_bytes_per_rank']) / max(base['sent_bytes_per_rank']):.2f}",
-            mib(row["peak_bytes"]),
-            f"{row['peak_bytes'] / base['peak_bytes']:.2f}",
             mib(row["state_bytes"]),
             f"{row['losses'][-1]:.4f}",
         ]
@@ -248,12 +232,9 @@ def table(rows: dict[str, dict], tokens: int) -> list[list]:
 
 HEADERS = [
     "system",
-    "step ms",
-    "step/fsdp2",
+    *step_and_peak_headers("fsdp2"),
     "sent MiB/rank/step",
     "sent/fsdp2",
-    "peak MiB/rank",
-    "peak/fsdp2",
     "params+grads+optim MiB/rank",
     "final loss",
 ]

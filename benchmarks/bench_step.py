@@ -178,6 +178,7 @@ from harness import (  # noqa: E402
     SYSTEMS,
     LlamaShape,
     Result,
+    combined_row,
     compute_only,
     flops_per_token,
     mib,
@@ -411,18 +412,10 @@ HEADERS = [
 
 def gather_row(result: Result, collectives: list[Collective], comm_times: list[float]) -> dict:
     """This system's numbers from every rank, combined (largest over ranks)."""
-    per_rank: list = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (result.step_seconds, result.peak_bytes, result.state_bytes, comm_times))
-    return {
-        "losses": result.losses,
-        "median_step_seconds": max(statistics.median(steps) for steps, *_ in per_rank),
-        "peak_bytes": max(peak for _, peak, _, _ in per_rank),
-        "state_bytes": max(state for _, _, state, _ in per_rank),
-        "collectives": [asdict(c) for c in collectives],
-        "comm_seconds": max((statistics.median(t) for *_, t in per_rank if t), default=0.0),
-        "step_seconds_per_rank": [steps for steps, *_ in per_rank],
-        "comm_seconds_per_rank": [t for *_, t in per_rank],
-    }
+    row = combined_row(result, comm_seconds=comm_times)
+    row["collectives"] = [asdict(c) for c in collectives]
+    row["comm_seconds"] = max((statistics.median(t) for t in row["comm_seconds_per_rank"] if t), default=0.0)
+    return row
 
 
 # ------------------------------------------------------------------------------ main

@@ -6,7 +6,7 @@ inside the same processes, so their numbers come from one run on one machine: wa
 system in turn, so a change in the machine's speed during the run (other load, thermal
 state) falls on every system alike (FSDP2 + compile runs after the others, on its own:
 see ``RUN_ALONE``). A system is a function that wraps a fresh model and returns the callable that
-runs one step's forward and the parameters for the optimizer.
+runs one step's forward (and the optimizer, where the system brings its own: ``Wrap``).
 
 Measured per system: the global-mean loss of every step, the median step time (forward,
 backward, optimizer step; ranks aligned by a barrier before each step, warm-up steps not
@@ -49,7 +49,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 import compshard  # noqa: E402
 from compshard.models import GPT, GPTConfig, tensor_parallel_plan  # noqa: E402
 
-Wrap = Callable[[nn.Module], Callable]
+# A system: wraps a fresh model, returns the callable running one step's forward (or that
+# and the optimizer, for a system whose optimizer is its own: otherwise AdamW, lr 1e-3).
+Wrap = Callable[[nn.Module], Callable | tuple[Callable, torch.optim.Optimizer]]
 
 
 def init_distributed() -> tuple[int, int, torch.device]:
@@ -203,12 +205,18 @@ class Result:
 
 
 def state_bytes(model: nn.Module, opt: torch.optim.Optimizer) -> int:
-    """Bytes of parameters, gradients and optimizer state held by this rank."""
+    """Bytes of parameters, gradients and optimizer state held by this rank; for
+    compshard's ``strategy="shard_optimizer"`` the full parameters held beside the rows
+    too. (FairScale's ``OSS`` keeps this rank's state in the optimizer it wraps, ``optim``.)"""
+    states = getattr(opt, "optim", opt).state
     seen: dict[int, torch.Tensor] = {}
     for p in model.parameters():
-        for t in [p, p.grad, *opt.state.get(p, {}).values()]:
+        for t in [p, p.grad, *states.get(p, {}).values()]:
             if isinstance(t, torch.Tensor):
                 seen[id(t)] = t.to_local() if isinstance(t, DTensor) else t
+    held = compshard.sharding.grad_sync.grad_sync_state(model).held if compshard.sharding.is_sharded(model) else None
+    for t in (held or {}).values():
+        seen[id(t)] = t
     return sum(t.numel() * t.element_size() for t in seen.values())
 
 
@@ -233,6 +241,38 @@ def peak_tensor_bytes(step: Callable[[], None], device: torch.device, held_at_st
         live += size
         rise = max(rise, live)
     return held_at_start + rise
+
+
+def combined_row(result: Result, **per_rank_values: object) -> dict:
+    """One system's result with every rank's figures combined (collective: call on every
+    rank): the losses, the largest per-rank median step, peak bytes and state bytes, each
+    rank's step times, and each keyword's value from every rank (``<name>_per_rank``)."""
+    ranks: list = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, (result.step_seconds, result.peak_bytes, result.state_bytes, per_rank_values))
+    return {
+        "losses": result.losses,
+        "median_step_seconds": max(statistics.median(steps) for steps, *_ in ranks),
+        "peak_bytes": max(peak for _, peak, _, _ in ranks),
+        "state_bytes": max(state for _, _, state, _ in ranks),
+        "step_seconds_per_rank": [steps for steps, *_ in ranks],
+        **{f"{name}_per_rank": [values[name] for *_, values in ranks] for name in per_rank_values},
+    }
+
+
+def step_and_peak_headers(base: str) -> list[str]:
+    """The headers of :func:`step_and_peak_cells`' columns, ratios to system ``base``."""
+    return ["step ms", f"step/{base}", "peak MiB/rank", f"peak/{base}"]
+
+
+def step_and_peak_cells(row: dict, base: dict) -> list[str]:
+    """A combined row's median step (ms) and peak memory (MiB), each with its ratio to
+    ``base``'s, as the benchmark tables show them."""
+    return [
+        f"{row['median_step_seconds'] * 1e3:.1f}",
+        f"{row['median_step_seconds'] / base['median_step_seconds']:.2f}",
+        mib(row["peak_bytes"]),
+        f"{row['peak_bytes'] / base['peak_bytes']:.2f}",
+    ]
 
 
 def global_mean(value: torch.Tensor) -> float:
@@ -306,8 +346,11 @@ def _train_together(
 
     for name, wrap in systems.items():
         model = copy.deepcopy(reference).to(device)
-        step_model = wrap(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        wrapped = wrap(model)
+        # a system whose optimizer is its own (FairScale's OSS) returns it with the forward
+        step_model, opt = (
+            wrapped if isinstance(wrapped, tuple) else (wrapped, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        )
 
         def step(step_model=step_model, opt=opt) -> torch.Tensor:
             loss = step_model(*batch)

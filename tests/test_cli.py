@@ -19,6 +19,7 @@ SCRIPTS = [
     "bench_kernels.py",
     "bench_plan.py",
     "bench_moe.py",
+    "bench_oss.py",
     "profile_step.py",
 ]
 

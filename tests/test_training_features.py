@@ -492,7 +492,8 @@ def test_offload_keeps_shards_gradients_and_optimizer_state_in_pinned_cpu_memory
         (
             {"strategy": "zero3"},
             ValueError,
-            "strategy='zero3' is not allowed; use one of ['full_shard', 'shard_grad_op', 'no_shard', 'hybrid_shard']",
+            "strategy='zero3' is not allowed; use one of ['full_shard', 'shard_grad_op', 'no_shard', 'hybrid_shard', "
+            "'shard_optimizer']",
         ),
         ({"strategy": "hybrid_shard"}, ValueError, "strategy='hybrid_shard' needs mesh=<2-D DeviceMesh>"),
         (

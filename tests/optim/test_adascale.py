@@ -25,7 +25,7 @@ from compshard.sharding.grad_norms import GradNorms
 from tests.distributed import run_distributed
 from tests.training import relative_error
 
-STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard")
+STRATEGIES = ("full_shard", "shard_grad_op", "no_shard", "hybrid_shard", "shard_optimizer")
 # FairScale's golden inputs (rank r takes row r) and gains
 GOLDEN = [
     ([[1.0, 0.0], [0.0, 1.0]], 4.0 / 3),
@@ -185,7 +185,7 @@ def fairscale_worker(rank: int, world_size: int, strategies: tuple[str, ...]) ->
 
 
 @pytest.mark.parametrize(
-    "world_size, strategies", [(2, ("full_shard", "no_shard")), (4, ("full_shard", "hybrid_shard"))]
+    "world_size, strategies", [(2, ("full_shard", "no_shard", "shard_optimizer")), (4, ("full_shard", "hybrid_shard"))]
 )
 def test_matches_fairscale_adascale_over_ddp(world_size, strategies):
     results = run_distributed(fairscale_worker, world_size, strategies, timeout=600)[0]
