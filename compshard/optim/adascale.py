@@ -105,6 +105,7 @@ class AdaScale:
         if smoothing is not None:
             self._smoothing = float(smoothing)
         self._models = _attach(optimizer)
+        self._weights = _weights(self._models, self._world_size)
         groups = len(optimizer.param_groups)
         state: Any = optimizer.state  # keyed by parameters, and by "adascale" as FairScale keeps it
         state.setdefault(
@@ -241,7 +242,7 @@ class AdaScale:
         groups = len(self.param_groups)
         local_sums: torch.Tensor | None = None
         for _, norms in self._models:
-            sums, _ = norms.take()
+            sums = norms.take()
             local_sums = sums if local_sums is None else local_sums + sums.to(local_sums.device)
         assert local_sums is not None  # _attach found a model
         total = torch.zeros(groups, dtype=torch.float32, device=local_sums.device)
@@ -256,20 +257,6 @@ class AdaScale:
         both = both.to("cpu", torch.float64)
         return both[:groups], both[groups:]
 
-    @property
-    def _weights(self) -> dict[int, float]:
-        """Parameter id -> its rows' share of the averaged gradient's norm: 1 over the
-        number of data-parallel ranks holding the same rows."""
-        weights: dict[int, float] = {}
-        for grad_sync, _ in self._models:
-            for name, param in grad_sync.routed.items():
-                spec = grad_sync.specs[name]
-                pieces = 1
-                if spec.world_size > 1 and not ShardLayout(spec.full_shape, spec.world_size, 0).replicated:
-                    pieces = spec.world_size
-                weights[id(param)] = pieces / self._world_size
-        return weights
-
     def _average(self, name: str, value: torch.Tensor) -> None:
         """The debiased moving average ``name`` updated with ``value``."""
         factor = self._smoothing
@@ -279,6 +266,21 @@ class AdaScale:
         state[f"{name}_biased"] = factor * biased + (1.0 - factor) * value
         state[f"{name}_unbias"] = factor * unbias + (1.0 - factor)
         state[name] = state[f"{name}_biased"] / state[f"{name}_unbias"]
+
+
+def _weights(models: list[tuple[GradSync, GradNorms]], world_size: int) -> dict[int, float]:
+    """Parameter id -> its rows' share of the averaged gradient's norm: 1 over the number
+    of data-parallel ranks holding the same rows (fixed by ``shard``; a conversion swaps
+    a parameter's data, never the object)."""
+    weights: dict[int, float] = {}
+    for grad_sync, _ in models:
+        for name, param in grad_sync.routed.items():
+            spec = grad_sync.specs[name]
+            pieces = 1
+            if spec.world_size > 1 and not ShardLayout(spec.full_shape, spec.world_size, 0).replicated:
+                pieces = spec.world_size
+            weights[id(param)] = pieces / world_size
+    return weights
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:

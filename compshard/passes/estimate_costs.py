@@ -1,7 +1,7 @@
 """Analysis pass: estimated seconds of every node, from the cost model.
 
 Writes ``NodeMeta.seconds`` (compute nodes: FLOPs and bytes, at the constants of the
-graph's first process group, or of the first group calibrated in a graph with no
+graph's first process group, or of the group calibrated last in a graph with no
 collective; collective starts: ``alpha + bytes * beta`` of the
 collective's own group, twice for an all-reduce). The constants were calibrated when the parameters were
 sharded and agreed across ranks (see ``cost_model``), so the decisions made from these

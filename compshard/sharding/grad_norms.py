@@ -90,14 +90,14 @@ class GradNorms:
     def _end_pass(self) -> None:
         self._counted = False
 
-    def take(self) -> tuple[torch.Tensor, int]:
-        """(each group's summed squared norms, float32 by group index; the backward passes
-        they came from), the sinks emptied for the next step."""
+    def take(self) -> torch.Tensor:
+        """Each group's summed squared norms (float32, by group index), the sinks and the
+        count of passes emptied for the next step."""
         sums = [
             sink.grad.detach().reshape(()) if sink.grad is not None else torch.zeros((), device=sink.device)
             for sink in self.sinks.values()
         ]
         for sink in self.sinks.values():
             sink.grad = None
-        passes, self.passes = self.passes, 0
-        return torch.stack([value.to(sums[0].device) for value in sums]), passes
+        self.passes = 0
+        return torch.stack([value.to(sums[0].device) for value in sums])

@@ -32,6 +32,7 @@ not overlapped with compute.
 from __future__ import annotations
 
 import functools
+import itertools
 import weakref
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -75,8 +76,7 @@ def refresh_held(grad_sync: GradSync, names: list[str], bucket_bytes: int = DEFA
     tensors, one bucket at a time (:func:`step_gathers` lists them). Collective."""
     held = grad_sync.held
     assert held is not None  # a "shard_optimizer" model's
-    unit_of = _unit_finder(grad_sync)
-    specs = [grad_sync.specs[name] for name in _refresh_order(names, unit_of)]
+    specs, unit_of = _refresh_plan(grad_sync, names)
     for bucket in gather_buckets(specs, grad_sync.routed, bucket_bytes, unit_of):
         for spec, full in bucket:
             held[spec.fqn].copy_(full)
@@ -85,21 +85,23 @@ def refresh_held(grad_sync: GradSync, names: list[str], bucket_bytes: int = DEFA
 _REST = ""  # the unit of the parameters outside repeated blocks
 
 
-def _unit_finder(grad_sync: GradSync) -> Callable[[str], str]:
-    """Parameter name -> its repeated block (``blocks.3``), whose parameters a refresh
-    gathers together as a compiled backward reduces them together (one bucket per
-    block, as ``passes/assign_buckets.py`` plans them); the rest pooled, bucketed by size."""
+def _refresh_plan(grad_sync: GradSync, names: Iterable[str]) -> tuple[list[ParamSpec], Callable[[str], str]]:
+    """(the specs of parameters ``names`` in refresh order, parameter name -> its unit),
+    as :func:`~compshard.sharding.step_gather.shard_buckets` takes them. A unit is a
+    repeated block (``blocks.3``), whose parameters a refresh gathers together as a
+    compiled backward reduces them together (one bucket per block, as
+    ``passes/assign_buckets.py`` plans them), or the pooled rest, bucketed by size. The
+    order groups ``names`` by unit, the units in order of their first parameter (the
+    rest usually first: embeddings), each unit's in registration order."""
     containers = repeated_containers(module_of(name) for name in grad_sync.specs)
-    return lambda name: repeated_block(module_of(name), containers) or _REST
 
+    def unit_of(name: str) -> str:
+        return repeated_block(module_of(name), containers) or _REST
 
-def _refresh_order(names: Iterable[str], unit_of: Callable[[str], str]) -> list[str]:
-    """``names`` grouped by unit, the units in order of their first parameter (the pooled
-    rest, usually first: embeddings), each unit's in registration order."""
     units: dict[str, list[str]] = {}
     for name in names:
         units.setdefault(unit_of(name), []).append(name)
-    return [name for members in units.values() for name in members]
+    return [grad_sync.specs[name] for members in units.values() for name in members], unit_of
 
 
 @dataclass(frozen=True)
@@ -121,13 +123,13 @@ def step_gathers(grad_sync: GradSync, bucket_bytes: int = DEFAULT_BUCKET_BYTES) 
     gathered)."""
     if grad_sync.held is None:
         return ()
-    unit_of = _unit_finder(grad_sync)
-    specs = [grad_sync.specs[name] for name in _refresh_order(grad_sync.specs, unit_of)]
+    specs, unit_of = _refresh_plan(grad_sync, grad_sync.specs)
+    rest = itertools.count()
     gathers: list[StepGather] = []
     for bucket in shard_buckets(specs, grad_sync.routed, bucket_bytes, unit_of):
         if bucket[0].communicates:
-            unit = bucket[0].unit or _REST
-            name = unit if unit != _REST else f"rest.{sum(g.bucket.startswith('rest.') for g in gathers)}"
+            unit = bucket[0].unit
+            name = unit if unit else f"rest.{next(rest)}"
             nbytes = sum(item.nbytes for item in bucket)
             group = bucket[0].spec.group_name
             seconds = cost_model.collective_seconds(nbytes, cost_model.costs_for(group))
@@ -148,6 +150,8 @@ def convert_held(grad_sync: GradSync, names: list[str], fn: Any) -> None:
 
 
 def _refresh_stepped(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+    if not _HOLDING:  # (the hook stays registered: every optimizer's step passes here)
+        return
     stepped = {id(param) for group in optimizer.param_groups for param in group["params"]}
     for grad_sync in list(_HOLDING):
         names = [name for name, param in grad_sync.routed.items() if id(param) in stepped]
